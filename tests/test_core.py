@@ -1,0 +1,190 @@
+"The core loop end to end: planted structure on fresh seeds, the CLI as a user runs it, and bad input."
+import math, os, zipfile
+from pathlib import Path
+import numpy as np, pandas as pd, pytest, torch, torch.nn as nn
+from hypothesis import given, settings, strategies as st, HealthCheck
+
+from opscope.zoo import DISTS, make_tensor, mlp, transformer, moe, mnist_mlp, example_input, outlier_channels
+from opscope.inject import trace, inject_matmul_stats, gate, sketch, STATS
+from opscope.recorder import record, read_sketches, sweep, SCHEMA, SWEEP_SHAPES
+from opscope.miner import mine, planted_check
+
+
+@pytest.mark.parametrize('seed,structure_seed', [(1000, 0), (2024, 7)])
+def test_planted_structure_every_shape_fresh_seeds(seed, structure_seed):
+    "Seeds the notebooks never use; every shape of the grid; every distribution."
+    sw = sweep(seed=seed, structure_seed=structure_seed, steps=3)
+    found = mine(sw)
+    check = planted_check(found, sw, structure_seed=structure_seed)
+    assert len(check) == len(SWEEP_SHAPES) * len(DISTS)
+    assert check.ok.all(), check[~check.ok].to_string()
+    lhs = found[found.role == 'lhs']
+    for d in ('gaussian', 'uniform'):
+        assert set(lhs[lhs.dist == d].exploit) <= {'int8', 'int4'}
+
+
+def test_outlier_channels_named_for_other_structure_seed():
+    sw = sweep(shapes=((128, 512, 64),), dists=['outlier'], seed=5, structure_seed=3, steps=3)
+    f = mine(sw)
+    got = sorted(f[(f.exploit == 'channel-outliers') & (f.role == 'lhs')].idx)
+    assert got == outlier_channels(512, 3)
+
+
+def test_main_job_cli(tmp_path, cli):
+    r = cli('opscope-sweep', str(tmp_path / 'sweep.csv'), '--steps', '2', '--quiet')
+    assert r.returncode == 0, r.stderr
+    r = cli('opscope-mine', str(tmp_path / 'sweep.csv'), '--out', str(tmp_path / 'f.csv'))
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if l.startswith('sparse90-64x256x256') and ' lhs ' in l)
+    import re
+    assert 0.07 < float(re.search(r'density (\S+)', line).group(1)) < 0.13 and 'sparse-GEMM (skip 90% zeros)' in line
+    line = next(l for l in r.stdout.splitlines() if l.startswith('gaussian-64x256x256') and ' lhs ' in l)
+    assert 'density 1.000' in line and 'sparse' not in line
+    f = pd.read_csv(tmp_path / 'f.csv')
+    assert list(f.columns) == ['run_id', 'dist', 'site', 'role', 'stat', 'idx', 'value', 'exploit', 'detail']
+
+
+def test_sweep_parquet(tmp_path, cli):
+    r = cli('opscope-sweep', str(tmp_path / 's.parquet'), '--steps', '1', '--quiet')
+    assert r.returncode == 0, r.stderr
+    df = read_sketches(tmp_path / 's.parquet')
+    assert list(df.columns) == SCHEMA and df.run_id.nunique() == 28
+    assert not (tmp_path / 's.parquet.parts').exists()
+
+
+def _one_clear_line(r):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'error' in lines[0] and 'Traceback' not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_cli_bad_input(tmp_path, cli):
+    good = tmp_path / 'good.csv'
+    record(mlp(layers=2), [torch.randn(4, 256)], sink=good)
+    text = good.read_text().splitlines()
+    cases = {
+        'missing.csv': None,
+        'cols.csv': '\n'.join(l.rsplit(',', 1)[0] for l in text) + '\n',
+        'types.csv': '\n'.join(text[:3] + [text[3].replace(',0,', ',x,', 1)] + text[4:]) + '\n',
+        'garbage.csv': '\n'.join(text[:2] + ['1,2,3,4,5,6,7,8,9,10,11,12,13,14,15'] + text[2:]) + '\n',
+        'bad.parquet': b'not parquet at all',
+        'empty.csv': '',
+        'file.txt': 'hello',
+    }
+    for name, content in cases.items():
+        p = tmp_path / name
+        if isinstance(content, bytes): p.write_bytes(content)
+        elif content is not None: p.write_text(content)
+        out = tmp_path / f'{name}.findings.csv'
+        msg = _one_clear_line(cli('opscope-mine', str(p), '--out', str(out)))
+        assert name in msg
+        assert not out.exists()
+    # sweep: bad output path → nothing written
+    msg = _one_clear_line(cli('opscope-sweep', str(tmp_path / 'out.json')))
+    assert 'out.json' in msg and not (tmp_path / 'out.json').exists()
+    msg = _one_clear_line(cli('opscope-sweep', str(tmp_path / 'nodir' / 'x.csv')))
+    assert 'does not exist' in msg
+
+
+def test_gate_every_zoo_model():
+    for m in (mlp(), transformer(), moe(), mnist_mlp(), transformer(causal=True, layers=1)):
+        x = example_input(m, seed=11)
+        gm = trace(m, x)
+        y, stats = gate(gm, inject_matmul_stats(gm), x)
+        assert torch.equal(y, m(x))
+        assert stats and all(k.count('/') == 2 for k in stats)
+
+
+def test_user_module_untouched():
+    m = transformer(layers=1)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = example_input(m)
+    gm = trace(m, x)
+    n_nodes = len(gm.graph.nodes)
+    inject_matmul_stats(gm)
+    assert len(gm.graph.nodes) == n_nodes
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert isinstance(m(x), torch.Tensor)
+
+
+def test_export_fallback_records():
+    class Branchy(nn.Module):
+        def __init__(self): super().__init__(); self.l = nn.Linear(16, 8)
+        def forward(self, x):
+            if x.shape[0] > 1: x = torch.relu(x)
+            return self.l(x)
+    df = record(Branchy(), [torch.randn(4, 16) for _ in range(2)])
+    assert set(df.site) == {'l'}
+    d = df[(df.stat == 'density') & (df.role == 'lhs')].value
+    assert (d < 0.8).all()     # the ReLU inside the branch was traced by torch.export
+
+
+def test_no_matmul_model_clear_message():
+    with pytest.raises(ValueError, match='no matmul sites'):
+        record(nn.Sequential(nn.ReLU(), nn.Tanh()), [torch.randn(3, 4)])
+
+
+def test_empty_nan_inf_int_half_inputs():
+    m = nn.Linear(8, 4)
+    df = record(m, [torch.empty(0, 8)])
+    lhs = df[(df.role == 'lhs')].set_index('stat').value
+    assert lhs['numel'] == 0 and math.isnan(lhs['mean'])
+    x = torch.randn(6, 8); x[0, 1] = float('nan'); x[2, 3] = float('inf'); x[4, 0] = float('-inf')
+    df = record(m, [x])
+    s = df[(df.role == 'lhs') & (df.stat.isin(['nan', 'inf', 'mean', 'absmax', 'std', 'density']))].set_index('stat').value
+    assert (s['nan'], s['inf']) == (1, 2)
+    assert np.isfinite(s[['mean', 'absmax', 'std', 'density']]).all()
+    # out has NaN rows: counted there too, other stats stay finite
+    o = df[(df.role == 'out')].set_index('stat').value
+    assert o['nan'] >= 4 and np.isfinite(o['absmax'])
+    s = dict(zip(STATS, sketch(torch.randint(-5, 5, (7, 3)))))
+    assert s['max'] <= 4 and s['min'] >= -5
+    h = nn.Linear(8, 4).half()
+    if True:  # half matmul on CPU is supported by torch 2.x
+        df = record(h, [torch.randn(5, 8).half()])
+        assert np.isfinite(df[df.stat == 'mean'].value).all()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), nans=st.integers(0, 5), seed=st.integers(0, 10_000))
+def test_sketch_matches_numpy(rows, cols, nans, seed):
+    g = np.random.default_rng(seed)
+    a = g.standard_normal((rows, cols)).astype(np.float32) * (g.random((rows, cols)) < 0.7)
+    idx = g.integers(0, a.size, nans)
+    a.reshape(-1)[idx] = np.nan
+    s = {k: v.numpy() for k, v in zip(STATS, sketch(torch.from_numpy(a)))}
+    clean = np.nan_to_num(a, nan=0.0)
+    assert s['nan'] == np.isnan(a).sum()
+    assert s['numel'] == a.size
+    np.testing.assert_allclose(s['chan_absmax'], np.abs(clean).max(0), rtol=1e-6)
+    np.testing.assert_allclose(s['chan_density'], (clean != 0).mean(0), rtol=1e-6)
+    np.testing.assert_allclose(s['row_energy'], np.linalg.norm(clean, axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s['mean'], clean.mean(), atol=1e-5)
+    np.testing.assert_allclose(s['std'], clean.std(), rtol=1e-3, atol=1e-4)
+    assert s['hist'].sum() == a.size
+
+
+def test_read_sketches_roundtrip_and_partial_line(tmp_path):
+    p = tmp_path / 'r.csv'
+    df = record(mlp(layers=2), [torch.randn(4, 256) for _ in range(3)], sink=p)
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-40])            # a kill mid-line
+    with pytest.warns(UserWarning, match='incomplete last line'):
+        back = read_sketches(p)
+    assert len(back) == len(df) - 1
+
+
+def test_package_builds_with_entry_points(tmp_path):
+    "Install-from-clean check without the network: the wheel holds every module and the console scripts."
+    import subprocess, sys
+    root = Path(__file__).parents[1]
+    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp_path), str(root)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    whl = next(tmp_path.glob('opscope-*.whl'))
+    names = zipfile.ZipFile(whl).namelist()
+    for mod in ('zoo', 'inject', 'recorder', 'miner', 'cli'):
+        assert f'opscope/{mod}.py' in names
+    ep = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith('entry_points.txt'))).decode()
+    assert 'opscope-sweep = opscope.cli:opscope_sweep' in ep and 'opscope-mine = opscope.cli:opscope_mine' in ep
