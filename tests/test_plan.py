@@ -1,0 +1,168 @@
+"Tier 4: the plan on real MNIST, guarded specialization with fallback under drift, the guard language, and opscope-plan."
+import math
+from pathlib import Path
+import pandas as pd
+import pytest, torch
+import torch.nn.functional as F
+from opscope.zoo import load_mnist, mnist_mlp, make_tensor
+from opscope.inject import trace
+from opscope.recorder import record
+from opscope.miner import mine
+from opscope.plan import (plan, specialize, choose, check_specialized, parse_guard, format_guard, guard_holds,
+                          sketch_values, live_values, parse_channels, make_kernel, format_plan, PLAN_COLUMNS,
+                          NOT_WORTH_IT, LOSSY_REL_TOL, stationary_taps)
+
+MACHINE = dict(peak_flops=2e10, bandwidth=1.6e10)   # fixed, so estimates do not depend on this run's load
+
+
+@pytest.fixture(scope='module')
+def mnist():
+    torch.manual_seed(0)
+    images, _ = load_mnist(8 * 64, seed=0)
+    batches = [images[i * 64:(i + 1) * 64] for i in range(8)]
+    model = mnist_mlp()
+    gm = trace(model, batches[0])
+    sk = record(gm, batches, run_id='mnist', dist='mnist')
+    found = mine(sk)
+    return dict(batches=batches, gm=gm, sk=sk, found=found, plan=plan(sk, found, machine=MACHINE))
+
+
+def test_plan_columns_and_dead_columns_row(mnist):
+    p, found = mnist['plan'], mnist['found']
+    assert list(p.columns) == PLAN_COLUMNS
+    assert not p.duplicated(['run_id', 'site', 'exploit']).any()
+    dead = p[(p.site == 'fc1') & (p.exploit == 'dead-channels')].iloc[0]
+    want = sorted(found.query("site == 'fc1' and role == 'lhs' and exploit == 'dead-channels'").idx)
+    assert parse_channels(dead.channels) == want and len(want) > 100
+    assert dead.guard == 'lhs.chan_absmax[channels] <= 0' and dead.guard_holds == 1 and dead.guard_sigma == 0
+    assert (dead.M, dead.K, dead.N) == (64, 784, 256) and bool(dead.exact)
+    assert dead.measured_speedup > 0 and dead.dense_ms > 0 and dead.special_ms > 0
+
+
+def test_every_row_is_measured_and_losers_say_so(mnist):
+    p = mnist['plan']
+    assert {'dead-channels', 'sparse-gemm', 'int8', 'prepack'} <= set(p[p.site == 'fc1'].exploit)
+    assert (p.measured_speedup > 0).all() and p.est_speedup.notna().all()
+    assert ((p.measured_speedup < 1) == p.note.str.startswith(NOT_WORTH_IT)).all()
+    sp = p[(p.site == 'fc1') & (p.exploit == 'sparse-gemm')].iloc[0]
+    assert sp.guard == 'lhs.density <= 0.25' and sp.guard_holds == 1   # fc1 density ~0.19 + margin
+    assert set(p[p.exploit == 'prepack'].site) == {'fc1', 'fc2', 'fc3'}
+    assert 'fc1  dead-channels' in format_plan(p)
+
+
+def test_dead_columns_specialized_exactly(mnist):
+    gm, p, batches = mnist['gm'], mnist['plan'], mnist['batches']
+    sgm = specialize(gm, p[(p.site == 'fc1') & (p.exploit == 'dead-channels')])
+    chk = check_specialized(gm, sgm, batches)
+    assert sgm.guarded['fc1'].counts == {'special': 8, 'dense': 0}
+    assert chk.within_tol.all() and chk.rel_err.max() < 1e-6
+    x = batches[0]
+    assert torch.allclose(sgm(x), gm(x), rtol=0, atol=1e-5)
+
+
+def test_fallback_on_exactly_the_drifting_steps(mnist):
+    gm, p, batches = mnist['gm'], mnist['plan'], mnist['batches']
+    g = torch.Generator().manual_seed(1)
+    drift = []
+    for s, xb in enumerate(batches):                       # faint background noise on more images from step 5
+        xb, n = xb.clone(), max(0, s - 4) * 8
+        xb[:n] = (xb[:n] + 0.02 * torch.rand(n, 784, generator=g)).clamp(max=1)
+        drift.append(xb)
+    skd = record(gm, drift, run_id='drift')
+    for ex in ('dead-channels', 'sparse-gemm'):
+        row = p[(p.site == 'fc1') & (p.exploit == ex)]
+        cl = parse_guard(row.guard.iloc[0])
+        want = sketch_values(skd, 'fc1', cl, parse_channels(row.channels.iloc[0])).apply(lambda v: guard_holds(cl, dict(v)), axis=1)
+        assert not want.all() and want.iloc[:5].all()
+        sgm = specialize(gm, row)
+        chk = check_specialized(gm, sgm, drift)
+        assert list(chk.path == 'special') == list(want)
+        assert chk.within_tol.all() and chk.rel_err.max() < 1e-5
+
+
+def test_int8_is_lossy_within_tolerance(mnist):
+    gm, p, batches = mnist['gm'], mnist['plan'], mnist['batches']
+    chk = check_specialized(gm, specialize(gm, p[p.exploit == 'int8']), batches[:3])
+    assert chk.within_tol.all() and 0 < chk.rel_err.max() <= LOSSY_REL_TOL
+
+
+def test_choose_picks_one_exact_row_per_site(mnist):
+    c = choose(mnist['plan'])
+    assert not c.site.duplicated().any() and c.exact.all() and (c.measured_speedup >= 1).all()
+    assert (c.guard != '').all()
+
+
+def test_guard_language_round_trip_and_no_eval():
+    for text in ['lhs.density <= 0.25', 'lhs.crest < 14 and lhs.nan == 0', 'out.absmax >= 1e-3',
+                 'lhs.chan_absmax[channels] <= 0 and rhs.rms > 0.5']:
+        assert format_guard(parse_guard(text)) == format_guard(parse_guard(format_guard(parse_guard(text))))
+    for bad, msg in [('lhs.density <= 0.25 and __import__("os").system("x")', 'clause 2'),
+                     ('print(1)', 'clause 1'), ('lhs.foo < 1', "unknown stat 'foo'"),
+                     ('lhs.density[channels] < 1', 'takes no [channels]'), ('lhs.density <= ', 'clause 1')]:
+        with pytest.raises(ValueError, match=msg.replace('[', r'\[').replace(']', r'\]').replace('(', r'\(')): parse_guard(bad)
+
+
+def test_live_values_match_sketch_values():
+    x = make_tensor('sparse90', (48, 32), seed=3)
+    x[:, [1, 4]] = 0
+    cl = parse_guard('lhs.density <= 1 and lhs.crest <= 100 and lhs.chan_absmax[channels] <= 0 and lhs.rms > 0')
+    from opscope.zoo import gemm
+    sk = record(gemm(32, 8), [x], run_id='t')
+    sv = sketch_values(sk, 'mm0', cl, [1, 4]).iloc[0]
+    lv = live_values(x, cl, channels=torch.tensor([1, 4]))
+    for k in sv.index: assert math.isclose(sv[k], lv[k], rel_tol=1e-4, abs_tol=1e-7), k
+
+
+def test_stationary_taps_are_the_weights(mnist):
+    st = stationary_taps(mnist['sk'])
+    assert set(zip(st.site, st.role)) == {('fc1', 'rhs'), ('fc2', 'rhs'), ('fc3', 'rhs')}
+
+
+def test_kernels_match_dense():
+    w, b = torch.randn(24, 40), torch.randn(24)
+    x = torch.rand(16, 40); x[x < 0.7] = 0
+    ref = F.linear(x, w, b)
+    for ex, arg, tol in [('sparse-gemm', None, 1e-5), ('int8', None, 3e-2), ('prepack', None, 1e-6), ('low-rank', 24, 1e-4)]:
+        y = make_kernel(ex, w, b, arg).fn(x)
+        assert ((y - ref).norm() / ref.norm()) < tol, ex
+
+
+def test_specialize_bad_input(mnist):
+    gm, p = mnist['gm'], mnist['plan']
+    with pytest.raises(KeyError, match="plan site 'fc9' is not a matmul site"): specialize(gm, p.iloc[:1].assign(site='fc9'))
+    two = p[(p.site == 'fc1') & p.exploit.isin(['dead-channels', 'sparse-gemm'])]
+    with pytest.raises(ValueError, match="several plan rows"): specialize(gm, two)
+    with pytest.raises(ValueError, match='lack columns stat'): plan(mnist['sk'].drop(columns=['stat']))
+
+
+@pytest.fixture(scope='module')
+def sketch_file(tmp_path_factory, mnist):
+    d = tmp_path_factory.mktemp('plan')
+    record(mnist['gm'], mnist['batches'][:2], run_id='mnist', sink=d / 'mnist.csv')   # empty dist on purpose
+    return d
+
+
+def test_cli_plan_prints_and_writes(cli, sketch_file):
+    out = sketch_file / 'plan.csv'
+    r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--out', str(out))
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if l.startswith('fc1  dead-channels'))
+    assert 'guard lhs.chan_absmax[channels] <= 0 (holds 2/2, σ 0)' in line and 'est ' in line and 'measured ' in line
+    back = pd.read_csv(out)
+    assert list(back.columns) == PLAN_COLUMNS and len(back) == len(r.stdout.split('\n\n')[0].splitlines())
+    # the written plan drives specialize
+    sgm = specialize(trace(mnist_mlp(), torch.zeros(2, 784)), back[(back.site == 'fc1') & (back.exploit == 'dead-channels')])
+    assert 'fc1' in sgm.guarded
+
+
+def test_cli_plan_bad_input(cli, sketch_file):
+    r = cli('opscope-plan', str(sketch_file / 'missing.csv'), '--out', str(sketch_file / 'never.csv'))
+    assert r.returncode == 2 and r.stderr.strip() == f'opscope-plan: error: {sketch_file}/missing.csv: no such file'
+    bad = sketch_file / 'bad.csv'
+    bad.write_text('run_id,step\nx,1\n')
+    r = cli('opscope-plan', str(bad), '--out', str(sketch_file / 'never.csv'))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and 'missing columns' in r.stderr
+    r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--out', str(sketch_file / 'plan.txt'))
+    assert r.returncode == 2 and '--out must be a .csv file' in r.stderr
+    assert not (sketch_file / 'never.csv').exists() and not (sketch_file / 'plan.txt').exists()
+    assert not [p for p in sketch_file.iterdir() if p.name.startswith('.')]   # no temporary left behind
