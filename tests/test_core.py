@@ -188,3 +188,12 @@ def test_package_builds_with_entry_points(tmp_path):
         assert f'opscope/{mod}.py' in names
     ep = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith('entry_points.txt'))).decode()
     assert 'opscope-sweep = opscope.cli:opscope_sweep' in ep and 'opscope-mine = opscope.cli:opscope_mine' in ep
+
+
+def test_nan_values_roundtrip_through_csv_and_parquet(tmp_path):
+    "An undefined statistic (the mean of an empty tensor) is NaN in the file and NaN again when read."
+    for ext in ('csv', 'parquet'):
+        p = tmp_path / f'e.{ext}'
+        df = record(nn.Linear(8, 4), [torch.empty(0, 8)], sink=p)
+        back = read_sketches(p)
+        assert back.value.isna().sum() == df.value.isna().sum() > 0
