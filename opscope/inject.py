@@ -129,7 +129,7 @@ def matmul_sites(gm:fx.GraphModule)->list[Site]:
 # %% ../nbs/01_inject.ipynb #a517310a
 HIST_SAMPLE = 16384  # the histogram (and nearzero) read at most this many values, by a fixed stride
 NEARZERO_REL = 1e-3  # |x| <= NEARZERO_REL * absmax counts as near zero
-SCALARS = ('numel', 'min', 'max', 'mean', 'std', 'absmax', 'rms', 'density', 'nearzero', 'nan', 'inf', 'adj_cos')
+SCALARS = ('numel', 'min', 'max', 'mean', 'std', 'absmax', 'rms', 'density', 'nearzero', 'nan_count', 'inf_count', 'adj_cos')
 VECTORS = ('chan_absmax', 'chan_density', 'row_energy', 'hist')
 STATS = SCALARS + VECTORS
 
@@ -333,7 +333,7 @@ def gate(gm:fx.GraphModule, # the un-injected graph
 
 # %% ../nbs/01_inject.ipynb #5ca646e7
 INFER_KINDS = ('softmax', 'topk')
-ATTN_STATS = ('numel', 'peak', 'entropy', 'entropy_max', 'nan', 'q_peak', 'key_mass', 'key_uniform', 'key_live', 'head_mass',
+ATTN_STATS = ('numel', 'peak', 'entropy', 'entropy_max', 'nan_count', 'q_peak', 'key_mass', 'key_uniform', 'key_live', 'head_mass',
               'diag_mass', 'diag_uniform')
 GATE_STATS = ('numel', 'gate_min', 'gate_max', 'gate_mean', 'expert_load', 'expert_mass', 'tok_mass', 'slot_mean')
 
@@ -572,7 +572,7 @@ def _np_sketch(a, bins=64):
     cos = (clean[1:] * clean[:-1]).sum(1) / np.maximum(re[1:] * re[:-1], 1e-30)
     return dict(numel=a.size, min=clean.min(), max=clean.max(), mean=clean.mean(), std=clean.std(), absmax=absmax,
                 rms=np.sqrt((clean ** 2).mean()), density=(clean != 0).mean(), nearzero=(np.abs(clean) <= NEARZERO_REL * absmax).mean(),
-                nan=np.isnan(a).sum(), inf=np.isinf(a).sum(), adj_cos=cos.mean() if len(cos) else np.nan,
+                nan_count=np.isnan(a).sum(), inf_count=np.isinf(a).sum(), adj_cos=cos.mean() if len(cos) else np.nan,
                 chan_absmax=np.abs(clean).max(0), chan_density=(clean != 0).mean(0), row_energy=re,
                 hist=np.histogram(clean / (absmax + 1e-12), bins, (-1, 1))[0])
 

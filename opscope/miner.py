@@ -27,7 +27,7 @@ EXPLOITS = ('sparse-gemm', 'dead-channels', 'channel-outliers', 'spiky', 'token-
 
 # %% ../nbs/03_miner.ipynb #9c1aec79
 def _scalar_features(df):
-    s = df[df.stat.isin(['density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan', 'inf', 'numel'])]
+    s = df[df.stat.isin(['density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel'])]
     wide = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
     return wide.groupby(level=KEYS, observed=True).mean()
 

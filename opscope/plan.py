@@ -24,14 +24,14 @@ __all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'DENSITY_MARGI
 
 # %% ../nbs/07_plan.ipynb #e5875b62
 import operator as _op
-GUARD_STATS = ('density', 'absmax', 'rms', 'nan', 'inf', 'crest', 'chan_absmax', 'chan_density')
+GUARD_STATS = ('density', 'absmax', 'rms', 'nan_count', 'inf_count', 'crest', 'chan_absmax', 'chan_density')
 CHANNEL_STATS = ('chan_absmax', 'chan_density')
 GUARD_OPS = {'<=': _op.le, '>=': _op.ge, '<': _op.lt, '>': _op.gt, '==': _op.eq}
 Clause = namedtuple('Clause', 'role stat channels op value')
 _CLAUSE = re.compile(r'^\s*(lhs|rhs|out)\.([a-z_]+)(\[channels\])?\s*(<=|>=|==|<|>)\s*'
                      r'([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf)\s*$')
 
-def parse_guard(text:str, # e.g. 'lhs.density <= 0.25 and lhs.nan <= 0'
+def parse_guard(text:str, # e.g. 'lhs.density <= 0.25 and lhs.nan_count <= 0'
                )->list:
     "The `Clause`s of a guard expression; a clear `ValueError` naming the bad clause otherwise."
     if not isinstance(text, str) or not text.strip(): raise ValueError("empty guard: nothing to check")
@@ -73,7 +73,7 @@ def sketch_values(sk:pd.DataFrame, # tidy sketches of one run
         if c.stat in CHANNEL_STATS:
             v = r[(r.stat.astype(str) == c.stat) & r.idx.isin(list(channels))].groupby('step').value.max()
         else:
-            w = r[r.stat.astype(str).isin(['density', 'absmax', 'rms', 'nan', 'inf'])].pivot_table(
+            w = r[r.stat.astype(str).isin(['density', 'absmax', 'rms', 'nan_count', 'inf_count'])].pivot_table(
                 index='step', columns='stat', values='value', aggfunc='first', observed=True)
             v = crest_nz(w.absmax, w.rms.where(w.rms > 0), w.density) if c.stat == 'crest' else w[c.stat]
         out[(c.role, c.stat)] = v
@@ -93,8 +93,8 @@ def live_values(x:torch.Tensor, # the live operand
         elif c.stat == 'density': v = torch.count_nonzero(x2) / x2.numel()
         elif c.stat == 'absmax': v = x2.abs().amax()
         elif c.stat == 'rms': v = x2.pow(2).mean().sqrt()
-        elif c.stat == 'nan': v = torch.isnan(x2).sum()
-        elif c.stat == 'inf': v = torch.isinf(x2).sum()
+        elif c.stat == 'nan_count': v = torch.isnan(x2).sum()
+        elif c.stat == 'inf_count': v = torch.isinf(x2).sum()
         elif c.stat == 'crest':
             d = torch.count_nonzero(x2) / x2.numel(); ms = x2.pow(2).mean()
             v = x2.abs().amax() * d.sqrt() / ms.sqrt().clamp_min(1e-30)

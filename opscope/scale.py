@@ -132,7 +132,7 @@ def _features_sql(con):
     "miner.tap_features, computed by DuckDB: one row per tap."
     scal = _q(con, f"""SELECT {K}, stat, avg(nn(v)) value FROM (
         SELECT {K}, step, stat, any_value(value) v FROM base
-        WHERE stat IN ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan', 'inf', 'numel') GROUP BY ALL) GROUP BY ALL""")
+        WHERE stat IN ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel') GROUP BY ALL) GROUP BY ALL""")
     scal = scal.pivot(index=_m.KEYS, columns='stat', values='value')
     hist = _q(con, f"""WITH h AS (SELECT * FROM base WHERE stat = 'hist'),
         b AS (SELECT {K}, step, max(idx) + 1 bins FROM h GROUP BY ALL),

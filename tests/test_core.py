@@ -132,12 +132,12 @@ def test_empty_nan_inf_int_half_inputs():
     assert lhs['numel'] == 0 and math.isnan(lhs['mean'])
     x = torch.randn(6, 8); x[0, 1] = float('nan'); x[2, 3] = float('inf'); x[4, 0] = float('-inf')
     df = record(m, [x])
-    s = df[(df.role == 'lhs') & (df.stat.isin(['nan', 'inf', 'mean', 'absmax', 'std', 'density']))].set_index('stat').value
-    assert (s['nan'], s['inf']) == (1, 2)
+    s = df[(df.role == 'lhs') & (df.stat.isin(['nan_count', 'inf_count', 'mean', 'absmax', 'std', 'density']))].set_index('stat').value
+    assert (s['nan_count'], s['inf_count']) == (1, 2)
     assert np.isfinite(s[['mean', 'absmax', 'std', 'density']]).all()
     # out has NaN rows: counted there too, other stats stay finite
     o = df[(df.role == 'out')].set_index('stat').value
-    assert o['nan'] >= 4 and np.isfinite(o['absmax'])
+    assert o['nan_count'] >= 4 and np.isfinite(o['absmax'])
     s = dict(zip(STATS, sketch(torch.randint(-5, 5, (7, 3)))))
     assert s['max'] <= 4 and s['min'] >= -5
     h = nn.Linear(8, 4).half()
@@ -155,7 +155,7 @@ def test_sketch_matches_numpy(rows, cols, nans, seed):
     a.reshape(-1)[idx] = np.nan
     s = {k: v.numpy() for k, v in zip(STATS, sketch(torch.from_numpy(a)))}
     clean = np.nan_to_num(a, nan=0.0)
-    assert s['nan'] == np.isnan(a).sum()
+    assert s['nan_count'] == np.isnan(a).sum()
     assert s['numel'] == a.size
     np.testing.assert_allclose(s['chan_absmax'], np.abs(clean).max(0), rtol=1e-6)
     np.testing.assert_allclose(s['chan_density'], (clean != 0).mean(0), rtol=1e-6)

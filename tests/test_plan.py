@@ -93,7 +93,7 @@ def test_choose_picks_one_exact_row_per_site(mnist):
 
 
 def test_guard_language_round_trip_and_no_eval():
-    for text in ['lhs.density <= 0.25', 'lhs.crest < 14 and lhs.nan == 0', 'out.absmax >= 1e-3',
+    for text in ['lhs.density <= 0.25', 'lhs.crest < 14 and lhs.nan_count == 0', 'out.absmax >= 1e-3',
                  'lhs.chan_absmax[channels] <= 0 and rhs.rms > 0.5']:
         assert format_guard(parse_guard(text)) == format_guard(parse_guard(format_guard(parse_guard(text))))
     for bad, msg in [('lhs.density <= 0.25 and __import__("os").system("x")', 'clause 2'),
