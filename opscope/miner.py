@@ -8,22 +8,24 @@ import numpy as np
 import pandas as pd
 
 # %% auto #0
-__all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO', 'OUTLIER_PERSIST',
-           'SPIKY_KURTOSIS', 'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB', 'INT4_MIN_SQNR_DB',
-           'COHERENCE_MIN', 'CROSS_STATS', 'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P', 'COHERENCE_VN_MAX',
-           'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX', 'WINDOW_LIFT',
-           'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'INFER_EXPLOITS', 'TAP_RULES', 'CHANNEL_RULES', 'CROSS_RULES',
+__all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO',
+           'OUTLIER_PERSIST', 'SPIKY_KURTOSIS', 'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB',
+           'INT4_MIN_SQNR_DB', 'COHERENCE_MIN', 'CROSS_STATS', 'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P',
+           'COHERENCE_VN_MAX', 'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX',
+           'WINDOW_LIFT', 'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'INFER_EXPLOITS', 'NONFINITE_MAX', 'STEP_STATS',
+           'TAP_RULES', 'CHANNEL_RULES', 'CROSS_RULES', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING', 'RANK_COLUMNS',
            'crest_nz', 'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'rule_sparse', 'rule_quant', 'rule_spiky',
            'rule_tokens', 'rule_coherence', 'rule_deep_dump', 'rule_dead_channels', 'rule_outlier_channels',
            'cross_step', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction',
-           'rule_windowed', 'rule_experts', 'infer_features', 'mine', 'planted_check']
+           'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'drop_nonfinite_steps', 'rule_nonfinite',
+           'rule_constant', 'mine', 'confirm_low_rank', 'planted_check']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
 FINDINGS = ['run_id', 'dist', 'site', 'role', 'stat', 'idx', 'value', 'exploit', 'detail']
-EXPLOITS = ('sparse-gemm', 'dead-channels', 'channel-outliers', 'spiky', 'token-sparsity', 'temporal-coherence',
+EXPLOITS = ('nonfinite', 'constant', 'sparse-gemm', 'dead-channels', 'channel-outliers', 'spiky', 'token-sparsity', 'temporal-coherence',
             'attention-sink', 'kv-eviction', 'windowed-attention', 'cold-experts', 'hot-experts',
-            'deep-dump', 'stationary', 'int8', 'int4')  # structure first, quantization headroom last
+            'deep-dump', 'low-rank', 'stationary', 'int8', 'int4')  # bad data first, then structure, quantization headroom last
 
 # %% ../nbs/03_miner.ipynb #9c1aec79
 def _scalar_features(df):
@@ -38,18 +40,20 @@ def _hist_features(df):
     c = (h.idx + 0.5) / bins * 2 - 1
     w = h.value.clip(lower=0)
     m = pd.DataFrame({'w': w, 'w2': w * c**2, 'w4': w * c**4}).groupby([h[k] for k in KEYS], observed=True).sum()
+    m = m.where(m.w2 > 0)                           # all mass in the centre (a zero or constant tensor): undefined
     return pd.DataFrame({'kurtosis_all': (m.w4 / m.w) / (m.w2 / m.w) ** 2})
 
 def _row_features(df):
     r = df.loc[df.stat == 'row_energy', KEYS + ['step', 'value']].copy()
     r['e2'] = r.value ** 2
     g = r.groupby(KEYS + ['step'], observed=True).e2
-    per_step = pd.DataFrame({'cv2': g.var(ddof=0) / g.mean() ** 2, 'rows': g.size()})
+    mean = g.mean()
+    per_step = pd.DataFrame({'cv2': g.var(ddof=0) / mean.where(mean > 0) ** 2, 'rows': g.size()})
     r = r.sort_values(KEYS + ['step', 'e2'], ascending=[True] * (len(KEYS) + 1) + [False])
     g = r.groupby(KEYS + ['step'], observed=True).e2
     before = g.cumsum() - r.e2                      # energy of the rows ranked above each row
     r['needed'] = before < 0.9 * g.transform('sum')  # rows needed to reach 90 % of the energy
-    per_step['rows90'] = r.groupby(KEYS + ['step'], observed=True).needed.mean()
+    per_step['rows90'] = r.groupby(KEYS + ['step'], observed=True).needed.mean().where(mean > 0)  # no energy: undefined
     return per_step.groupby(level=KEYS, observed=True).mean()
 
 def _chan_features(df):
@@ -63,7 +67,7 @@ def _chan_features(df):
 # %% ../nbs/03_miner.ipynb #fd8f3489
 def crest_nz(absmax, rms, density):
     "Absmax over the RMS of the non-zero values (zeros quantize exactly, so they carry no error)."
-    return absmax * np.sqrt(density) / rms
+    return absmax * np.sqrt(density) / np.where(rms > 0, rms, np.nan)   # a zero tensor has no crest
 
 def est_sqnr_db(crest, bits:int):
     "Estimated SQNR (dB) of symmetric per-tensor `bits`-bit quantization, uniform-noise model: 6.02·b + 4.77 − 20·log10(crest)."
@@ -79,8 +83,12 @@ def tap_features(df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
     f = pd.concat([_scalar_features(df), _hist_features(df), _row_features(df), _chan_features(df)], axis=1)
     return _derived(f, df.groupby(KEYS, observed=True).step.nunique())
 
+FEATURES = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel',
+            'kurtosis_all', 'cv2', 'rows', 'rows90', 'outlier_ratio', 'channels')
+
 def _derived(f, steps):
     "The features computed from the pooled reductions `f` (shared with the DuckDB engine, `scale.mine_duckdb`)."
+    f = f.reindex(columns=list(dict.fromkeys(list(FEATURES) + list(f.columns)))).astype(float)  # a stat no row holds: NaN, no rule fires
     f['kurtosis'] = f.kurtosis_all * f.density
     f['crest_nz'] = crest_nz(f.absmax, f.rms, f.density)
     f['rho'] = f.cv2 * f.channels / (f.kurtosis_all - 1).clip(lower=1e-6)
@@ -141,12 +149,11 @@ def rule_coherence(f):
                     [f'adjacent rows coherent (mean cos {v:.2f}) → delta / reuse across rows' for v in s.adj_cos])
 
 def rule_deep_dump(f):
-    "`deep-dump`: row energies vary like rows in a low-dimensional subspace; only a dump can tell the rank."
+    "`deep-dump`: row energies vary far more than independent entries would; rank is not sketch-observable, so point to the probe."
     s = f[f.rho >= DEEP_DUMP_RHO]
-    dims = s.channels / s.rho
-    return _finding(s, 'row_energy', dims, 'deep-dump',
-                    [f'rows look confined to ~{d:.0f} of {c:.0f} dims: rank is not sketch-observable → deep-dump and probe'
-                     for d, c in zip(dims, s.channels)])
+    return _finding(s, 'row_energy', s.rho, 'deep-dump',
+                    [f'row energies vary {v:.0f}× more than independent entries would (low rank, row scales or tails: '
+                     'rank is not sketch-observable) → dump this tap and probe it' for v in s.rho])
 
 # %% ../nbs/03_miner.ipynb #bc219932
 def rule_dead_channels(df):
@@ -221,7 +228,8 @@ def cross_step(df:pd.DataFrame, # tidy sketches
     usual = _usual_steps(df)
     x = df[df.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
     rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max'])
-    rel = (rng_['max'] - rng_['min']) / np.maximum(rng_[['min', 'max']].abs().max(axis=1), 1e-30)
+    scale = rng_[['min', 'max']].abs().max(axis=1)
+    rel = (rng_['max'] - rng_['min']) / scale.where(scale > 0, 1.)   # relative at any magnitude; all-zero: range 0
     return _cross_table((rel <= STATIONARY_RTOL).groupby(level=KEYS, observed=True).all(),
                         usual.groupby(KEYS, observed=True).size(), _step_matrix(df, 'chan_absmax', usual), seed)
 
@@ -236,13 +244,14 @@ def _cross_table(stationary, steps, w, seed=0):
     num = np.add.reduceat(np.nansum((cur - prev) ** 2, axis=1), starts)
     den = np.add.reduceat(np.nansum(prev ** 2, axis=1), starts)
     vn_den = np.add.reduceat(np.nansum((V - np.nanmean(V, axis=1, keepdims=True)) ** 2, axis=1), starts)
-    obs = num / np.maximum(2 * vn_den, 1e-30)
+    vd = np.where(vn_den > 0, 2 * vn_den, np.nan)   # no absolute floors: tiny values are data, a zero spread undefined
+    obs = num / vd
     g = np.random.default_rng(seed)
     smoother = np.zeros_like(obs)
     for _ in range(CROSS_PERMUTATIONS):      # a fixed number of whole-array passes: linear in rows
         perm = g.permutation(V.shape[1])
-        smoother += _vn(V[:, perm], starts) / np.maximum(2 * vn_den, 1e-30) <= obs
-    per_tap = pd.DataFrame({'drift': np.sqrt(num / np.maximum(den, 1e-30)), 'vn': obs,
+        smoother += _vn(V[:, perm], starts) / vd <= obs
+    per_tap = pd.DataFrame({'drift': np.sqrt(num / np.where(den > 0, den, np.nan)), 'vn': obs,
                             'vn_p': (smoother + 1) / (CROSS_PERMUTATIONS + 1)}, index=taps[starts])
     out = out.join(per_tap)
     out.loc[out.stationary, ['drift', 'vn', 'vn_p']] = [0.0, np.nan, np.nan]
@@ -388,6 +397,81 @@ COLD_LOAD_RATIO = 0.2   # an expert routed at most this × the uniform share is 
 HOT_LOAD_RATIO = 2.0    # ... at least this × the uniform share is hot
 INFER_EXPLOITS = ('attention-sink', 'kv-eviction', 'windowed-attention', 'cold-experts', 'hot-experts')
 
+# %% ../nbs/03_miner.ipynb #76911d41
+NONFINITE_MAX = 0    # a (tap, step) with more NaN + Inf values than this is not read for value structure
+STEP_STATS = ('nan_count', 'inf_count', 'numel', 'min', 'max')
+
+def step_table(df:pd.DataFrame, # tidy sketches
+              )->pd.DataFrame:
+    "Per (tap, step): `nan_count`, `inf_count`, `numel`, `min`, `max` — what the bad-data rules read (shared by the engines)."
+    s = df[df.stat.isin(STEP_STATS)]
+    w = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
+    return _step_frame(w)
+
+def _step_frame(w):
+    w = w.reindex(columns=list(STEP_STATS)).astype(float)
+    w[['nan_count', 'inf_count']] = w[['nan_count', 'inf_count']].fillna(0)   # softmax taps count no Inf
+    w.index = pd.MultiIndex.from_frame(w.index.to_frame(index=False).astype({k: str for k in KEYS}))
+    return w
+
+def _bad(st): return st[(st.nan_count + st.inf_count) > NONFINITE_MAX]
+
+def drop_nonfinite_steps(df:pd.DataFrame, # tidy sketches
+                         st:pd.DataFrame, # `step_table(df)`
+                        )->pd.DataFrame:
+    "`df` without the rows of the (tap, step)s holding NaN/Inf: their other statistics describe NaN-zeroed data."
+    bad = _bad(st)
+    if bad.empty: return df
+    keys = pd.MultiIndex.from_frame(df[KEYS + ['step']].astype({k: str for k in KEYS}))
+    return df[~keys.isin(bad.index)]
+
+# %% ../nbs/03_miner.ipynb #228470d9
+def _steps_text(steps):
+    "Steps as ranges: [0, 1, 2, 5] -> '0–2, 5'."
+    s = np.unique(np.asarray(steps, dtype=np.int64))
+    cuts = np.flatnonzero(np.diff(s) != 1) + 1
+    return ', '.join(f'{g[0]}' if len(g) == 1 else f'{g[0]}–{g[-1]}' for g in np.split(s, cuts))
+
+def rule_nonfinite(st):
+    "`nonfinite`: NaN/Inf on some step of a tap — the share of values, the steps (first first) and what the other rules did."
+    bad = _bad(st)
+    if bad.empty: return pd.DataFrame(columns=FINDINGS)
+    total = st.groupby(level=KEYS, observed=True).size()
+    rows = []
+    for key, g in bad.groupby(level=KEYS, observed=True):
+        steps, n = g.index.get_level_values('step'), int(total[key])
+        nan, inf = int(g.nan_count.sum()), int(g.inf_count.sum())
+        share = (nan + inf) / g.numel.sum() if g.numel.sum() > 0 else np.nan
+        what = ('no clean step, so no value-structure claim is made' if len(g) == n else
+                f'steps {_steps_text(steps)} dropped from the value rules (they read the other {n - len(g)}); cross-step claims refused')
+        rows.append(dict(zip(KEYS, key), stat='nan_count', idx=-1, value=share, exploit='nonfinite',
+                         detail=f'NaN/Inf: {share:.1%} of values (NaN {nan}, Inf {inf}) on {len(g)} of {n} steps, first at step '
+                                f'{int(steps.min())} → {what}'))
+    return pd.DataFrame(rows, columns=FINDINGS)
+
+def rule_constant(st):
+    "`constant`: the same value everywhere (min == max) on every clean step — all-zero or constant, one finding instead of ratios of zeros."
+    ok = st.drop(_bad(st).index)
+    ok = ok[ok['min'].notna() & ok['max'].notna()]
+    flat = (ok['max'] == ok['min']).groupby(level=KEYS, observed=True).all()
+    taps = flat[flat].index
+    if not len(taps): return pd.DataFrame(columns=FINDINGS)
+    g = ok.groupby(level=KEYS, observed=True)
+    lo, hi, n = g['min'].min()[taps], g['max'].max()[taps], g.size()[taps]
+    detail = [f'all-zero in all {k} steps → the op needs no compute (its result is known)' if a == 0 and b == 0 else
+              f'constant {a:.6g} in all {k} steps → fold it' if a == b else
+              f'constant within each of {k} steps (from {a:.6g} to {b:.6g}) → a broadcast, not a tensor'
+              for a, b, k in zip(lo, hi, n)]
+    return _finding(pd.DataFrame(index=taps), 'absmax', hi.abs().to_numpy(), 'constant', detail)
+
+def _veto(out):
+    "Drop the claims the bad-data findings refuse: all others on a `constant` tap, cross-step ones on a `nonfinite` tap."
+    tap = out[KEYS].astype(str).agg('/'.join, axis=1)
+    const, nonf = set(tap[out.exploit == 'constant']), set(tap[out.exploit == 'nonfinite'])
+    cross = out.exploit.eq('stationary') | (out.exploit.eq('temporal-coherence') & out.stat.eq('chan_absmax'))
+    drop = (tap.isin(const) & ~out.exploit.isin(['constant', 'nonfinite'])) | (tap.isin(nonf) & cross)
+    return out[~drop]
+
 # %% ../nbs/03_miner.ipynb #571c9b12
 def _drop_explained(out):
     "Drop `deep-dump` pointers on taps whose dispersion `spiky` or `channel-outliers` already explains."
@@ -403,12 +487,20 @@ CROSS_RULES = (rule_stationary, rule_drift_coherence)
 
 def mine(df:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or the path of a sketches file or Parquet dataset
          engine:str='pandas', # 'pandas' (in memory) or 'duckdb' (aggregations out of core: `scale.mine_duckdb`)
+         probe:pd.DataFrame=None, # optional ranks of dumped taps (`probe.rank_table`): confirms or retracts `deep-dump` pointers
         )->pd.DataFrame:
     "Findings (`FINDINGS` columns), one row per exploit per tap (per channel for channel findings)."
     if engine not in ('pandas', 'duckdb'): raise ValueError(f"engine must be 'pandas' or 'duckdb', not {engine!r}")
     if engine == 'duckdb':
         from opscope.scale import mine_duckdb
-        return mine_duckdb(df)
+        out = mine_duckdb(df)
+        return out if probe is None else confirm_low_rank(out, probe)
+    out = _mine_pandas(df)
+    return out if probe is None else confirm_low_rank(out, probe, _taps(df))
+
+def _taps(df): return df[KEYS].drop_duplicates().astype(str) if isinstance(df, pd.DataFrame) else None
+
+def _mine_pandas(df):
     if not isinstance(df, pd.DataFrame):
         from opscope.recorder import read_sketches
         df = read_sketches(df)
@@ -418,13 +510,15 @@ def mine(df:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or the pa
     for k in KEYS:                         # pandas drops missing group keys: a missing name is the empty name
         if df[k].isna().any(): df = df.assign(**{k: df[k].astype(object).where(df[k].notna(), '')})
     _check_ranks(df)
+    st = step_table(df)
+    df = drop_nonfinite_steps(df, st)             # NaN/Inf steps: only `nonfinite` reads them
     base = df[~df.role.isin(['attn', 'gate'])]    # softmax / top-k taps have their own rules (in CHANNEL_RULES)
     parts = [r(df) for r in CHANNEL_RULES]
     cs = None
     if len(base):
         f, cs = tap_features(base), cross_step(base)
         parts = [r(f) for r in TAP_RULES] + parts + [r(cs) for r in CROSS_RULES]
-    return _collect(parts, cs)
+    return _collect(parts, cs, st)
 
 def _check_ranks(df):
     "Refuse rows where one (run_id, step) comes from two ranks: shards must record global step indices."
@@ -435,28 +529,66 @@ def _check_ranks(df):
         raise ValueError(f"run {run!r} step {step} was recorded by more than one rank; shards must record global "
                          "step indices (scale.record_shard does) so that the ranks' steps do not collide")
 
-def _collect(parts, cs):
-    "The findings table from the rules' outputs (both engines): `deep-dump` pointers already explained dropped, sorted."
+def _collect(parts, cs, st=None):
+    "The findings table from the rules' outputs (every engine): bad-data findings added (`st`: `step_table`), vetoed and explained claims dropped, sorted."
+    if st is not None: parts = list(parts) + [rule_nonfinite(st), rule_constant(st)]
     parts = [p for p in parts if len(p)]
     if not parts: return pd.DataFrame(columns=FINDINGS)
     out = pd.concat(parts, ignore_index=True)
     for k in ['run_id', 'dist', 'site', 'role']: out[k] = out[k].astype(str)
-    out = _drop_explained(out)
+    out = _sorted(_drop_explained(_veto(out)))
+    out.attrs['cross_step'] = cs      # per-tap drift, kept for reports (not a finding)
+    return out
+
+def _sorted(out):
+    "Findings in their reading order: by tap, then exploit as listed in `EXPLOITS`, then idx."
     order = {e: i for i, e in enumerate(EXPLOITS)}
     out = out.assign(_o=out.exploit.map(order)).sort_values(['run_id', 'site', 'role', '_o', 'idx'], kind='stable')
-    out = out.drop(columns='_o').reset_index(drop=True)[FINDINGS]
-    out.attrs['cross_step'] = cs      # per-tap drift, kept for reports (not a finding)
+    return out.drop(columns='_o').reset_index(drop=True)[FINDINGS]
+
+# %% ../nbs/03_miner.ipynb #47981269
+LOWRANK_ERANK_SHARE = 0.25  # confirmed low rank: effective rank at most this share of min(rows, channels)
+LOWRANK_MIN_SAVING = 0.25   # ... and factoring at the rank holding 99 % energy saves this share of MACs (probe.MIN_FACTOR_SAVING)
+RANK_COLUMNS = ['site', 'role', 'rows', 'cols', 'erank', 'rank99', 'saving']   # `probe.rank_table`; `run_id` optional
+
+def _tapkey(d): return d[KEYS].astype(str).agg('/'.join, axis=1) if len(d) else pd.Series(dtype=str)
+
+def confirm_low_rank(findings:pd.DataFrame, # from `mine`
+                     ranks:pd.DataFrame, # `RANK_COLUMNS` per dumped tap (+ `run_id` to tell runs apart), e.g. `probe.rank_table`
+                     taps:pd.DataFrame=None, # the KEYS of every tap (default: the taps with findings)
+                    )->pd.DataFrame:
+    "Each probed tap's `deep-dump` pointer replaced by a confirmed `low-rank` finding or retracted (listed in `attrs['retracted']`)."
+    missing = [c for c in RANK_COLUMNS if c not in ranks]
+    if missing: raise ValueError(f"probe ranks lack columns {', '.join(missing)} (expected {', '.join(RANK_COLUMNS)}; see probe.rank_table)")
+    taps = (findings[KEYS] if taps is None else taps).drop_duplicates().astype(str)
+    on = ['run_id', 'site', 'role'] if 'run_id' in ranks else ['site', 'role']
+    r = taps.merge(ranks.astype({c: str for c in on}), on=on)
+    bad = set(_tapkey(findings[findings.exploit.isin(['constant', 'nonfinite'])]))   # no value claim on bad data
+    r = r[~_tapkey(r).isin(bad)] if len(r) else r
+    dims = np.minimum(r.rows, r.cols)
+    ok = (r.erank <= LOWRANK_ERANK_SHARE * dims) & (r.saving >= LOWRANK_MIN_SAVING)
+    c = r[ok]
+    new = c[KEYS].assign(stat='effective_rank', idx=c.rank99.astype(np.int64), value=c.erank.astype(float), exploit='low-rank',
+                         detail=[f'probe: effective rank {e:.1f} of {d:.0f}, rank {k:.0f} holds 99% of the energy → factor the '
+                                 f'matmul at rank {k:.0f} (saves {s:.0%} of MACs)' for e, d, k, s in zip(c.erank, dims[ok], c.rank99, c.saving)])
+    fk = _tapkey(findings)
+    pointed = findings.exploit.eq('deep-dump') & fk.isin(set(_tapkey(r)))
+    out = _sorted(pd.concat([findings[~(pointed | (findings.exploit.eq('low-rank') & fk.isin(set(_tapkey(r)))))], new],
+                            ignore_index=True))
+    out.attrs = dict(findings.attrs)
+    out.attrs['retracted'] = r[~ok & _tapkey(r).isin(set(fk[pointed]))].assign(dims=dims[~ok]).reset_index(drop=True)
     return out
 
 # %% ../nbs/03_miner.ipynb #2653c12d
 def planted_check(findings:pd.DataFrame, sketches:pd.DataFrame, structure_seed:int=0)->pd.DataFrame:
-    "Per sweep run: is the structure planted in its `lhs` found, and only that? (for tests and the docs)"
+    "Per sweep run: is the structure planted in its `lhs` found, and only that? (for tests and the docs; `lowrank` may be pointed to or confirmed)"
     from opscope.zoo import outlier_channels
     rows = []
     for run, g in sketches[sketches.role == 'lhs'].groupby('run_id', observed=True):
         d, K = str(g.dist.iloc[0]), int(g.K.iloc[0])
         f = findings[(findings.run_id == run) & (findings.role == 'lhs')]
         ex = set(f.exploit)
+        if d == 'lowrank' and 'low-rank' in ex: ex = ex - {'low-rank'} | {'deep-dump'}   # the pointer, confirmed by a probe
         sk = f[f.exploit == 'sparse-gemm'].value
         want = {'gaussian': set(), 'uniform': set(), 'relu': {'sparse-gemm'}, 'sparse90': {'sparse-gemm'},
                 'outlier': {'channel-outliers'}, 'heavytail': {'spiky'}, 'lowrank': {'deep-dump'}}[d]

@@ -15,12 +15,15 @@ import torch.fx as fx
 from .inject import trace, inject_matmul_stats, inject_infer_stats, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS
 
 # %% auto #0
-__all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'read_sketches', 'record', 'sweep']
+__all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'SWEEP_SHAPES', 'decode_stats', 'Recorder',
+           'read_sketches', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #ad2ba961
 SCHEMA = ['run_id', 'step', 'backend', 'dist', 'M', 'K', 'N', 'numel', 'site', 'role', 'stat', 'idx', 'value']
 INT_COLS = ['step', 'M', 'K', 'N', 'numel', 'idx']
 STR_COLS = ['run_id', 'backend', 'dist', 'site', 'role', 'stat']
+SCHEMA_VERSION = 2                                      # 2: stats `nan_count` / `inf_count` (were `nan` / `inf` in 1)
+RENAMED_STATS = {'nan': 'nan_count', 'inf': 'inf_count'}  # old name -> current name, applied by `read_sketches`
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -163,6 +166,18 @@ def _read_parquet(path):
     try: return pq.read_table(path).to_pandas()
     except (pa.ArrowInvalid, OSError) as e: raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
 
+INT64_LIMIT = 2.0 ** 63   # |integer column| below this, or int64 would wrap it silently
+
+def _check_int(raw, col, path, line0, c):
+    "Raise unless the numbers `col` (parsed from column `c`) are integers that int64 holds; name the first bad row."
+    bad = ~(col.abs() < INT64_LIMIT)
+    what = 'outside the int64 range'
+    if not bad.any(): bad, what = col % 1 != 0, 'not an integer'
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        where = f"line {i + line0}" if line0 else f"row {i}"
+        raise ValueError(f"{path}: {where}: column {c!r} holds {raw.iloc[i]}, {what} (column {c!r} must hold integers)")
+
 def _check(df, path, line0):
     missing = [c for c in SCHEMA if c not in df.columns]
     if missing: raise ValueError(f"{path}: missing columns {', '.join(missing)} (expected {', '.join(SCHEMA)})")
@@ -176,9 +191,11 @@ def _check(df, path, line0):
             i = int(np.flatnonzero(bad.to_numpy())[0])
             where = f"line {i + line0}" if line0 else f"row {i}"
             raise ValueError(f"{path}: {where}: column {c!r} holds {df[c].iloc[i]!r}, not a number")
-        if c != 'value' and (col % 1 != 0).any(): raise ValueError(f"{path}: column {c!r} must hold integers")
+        if c != 'value': _check_int(df[c], col, path, line0, c)
         df[c] = col.astype(np.float64 if c == 'value' else np.int64)
     for c in STR_COLS: df[c] = df[c].fillna('').astype(str)   # an empty name ('' dist) stays '', not missing
+    old = df['stat'].isin(list(RENAMED_STATS))
+    if old.any(): df.loc[old, 'stat'] = df.loc[old, 'stat'].map(RENAMED_STATS)   # a schema-1 file
     if 'rank' in df:
         r = pd.to_numeric(df['rank'], errors='coerce')
         if r.isna().any() or (r % 1 != 0).any(): raise ValueError(f"{path}: column 'rank' must hold integers (a torch.distributed rank)")

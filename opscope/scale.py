@@ -9,7 +9,7 @@ from itertools import chain, islice
 from pathlib import Path
 import numpy as np
 import pandas as pd
-from .recorder import Recorder, record, read_sketches, SCHEMA, _dataset_files, PARTITION_TYPES
+from .recorder import Recorder, record, read_sketches, SCHEMA, _dataset_files, PARTITION_TYPES, RENAMED_STATS
 from . import miner as _m
 
 # %% auto #0
@@ -115,13 +115,28 @@ def _views(con, src, name):
     missing = [c for c in ['run_id', 'dist', 'site', 'role', 'step', 'stat', 'idx', 'value'] if c not in cols]
     if missing: raise ValueError(f"{name}: cannot mine: the sketches lack columns {', '.join(missing)}")
     rank = ', CAST("rank" AS BIGINT) AS "rank"' if 'rank' in cols else ''
-    con.execute(f"""CREATE VIEW sk AS SELECT CAST(run_id AS VARCHAR) run_id, CAST(dist AS VARCHAR) dist,
-        CAST(site AS VARCHAR) site, CAST(role AS VARCHAR) role, CAST(step AS BIGINT) step, CAST(stat AS VARCHAR) stat,
+    con.execute(f"""CREATE VIEW raw AS SELECT CAST(run_id AS VARCHAR) run_id, CAST(dist AS VARCHAR) dist,
+        CAST(site AS VARCHAR) site, CAST(role AS VARCHAR) role, CAST(step AS BIGINT) step, {_stat_sql()} stat,
         CAST(idx AS BIGINT) idx, CASE WHEN isnan(CAST(value AS DOUBLE)) THEN NULL ELSE CAST(value AS DOUBLE) END AS value{rank}
         FROM {frm}""")
+    _bad_steps_sql(con)
     con.execute("CREATE VIEW base AS SELECT * FROM sk WHERE role NOT IN ('attn', 'gate')")
     con.execute("CREATE MACRO nn(x) AS CASE WHEN isnan(x) THEN NULL ELSE x END")   # per-step NaN skipped, as pandas' mean does
     return cols
+
+def _stat_sql():
+    "The stat column with schema-1 names renamed (`recorder.RENAMED_STATS`), as read_sketches does."
+    cases = ' '.join(f"WHEN {_Q(a)} THEN {_Q(b)}" for a, b in RENAMED_STATS.items())
+    return f"CASE CAST(stat AS VARCHAR) {cases} ELSE CAST(stat AS VARCHAR) END"
+
+def _bad_steps_sql(con):
+    "`steps`: miner.step_table's facts per (tap, step); view `sk`: the rows of `raw` without the (tap, step)s holding NaN/Inf."
+    cols = ', '.join(f"max(CASE WHEN stat = {_Q(s)} THEN value END) {s}" for s in _m.STEP_STATS)
+    con.execute(f"""CREATE TEMP TABLE steps AS SELECT {K}, step, {cols} FROM raw
+        WHERE stat IN ({', '.join(_Q(s) for s in _m.STEP_STATS)}) GROUP BY ALL""")
+    con.execute(f"""CREATE TEMP TABLE bad AS SELECT {K}, step FROM steps
+        WHERE coalesce(nan_count, 0) + coalesce(inf_count, 0) > {_m.NONFINITE_MAX}""")
+    con.execute(f"CREATE VIEW sk AS SELECT * FROM raw ANTI JOIN bad USING ({K}, step)")
 
 def _q(con, sql, index=None):
     df = con.execute(sql).df()
@@ -142,7 +157,8 @@ def _features_sql(con):
         w AS (SELECT *, sum(e2) OVER (PARTITION BY {K}, step ORDER BY e2 DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) before,
                         sum(e2) OVER (PARTITION BY {K}, step) total FROM r),
         s AS (SELECT {K}, step, var_pop(e2) / avg(e2)^2 cv2, count(*) n,
-                     avg(CASE WHEN e2 IS NOT NULL AND coalesce(before, 0) < 0.9 * total THEN 1.0 ELSE 0.0 END) rows90 FROM w GROUP BY ALL)
+                     CASE WHEN max(total) > 0 THEN avg(CASE WHEN e2 IS NOT NULL AND coalesce(before, 0) < 0.9 * total THEN 1.0 ELSE 0.0 END) END rows90
+              FROM w GROUP BY ALL)
         SELECT {K}, avg(nn(cv2)) cv2, avg(n) "rows", avg(nn(rows90)) rows90 FROM s GROUP BY ALL""", _m.KEYS)
     chan = _q(con, f"""WITH c AS (SELECT {K}, step, value FROM base WHERE stat = 'chan_absmax'),
         m AS (SELECT {K}, step, median(value) med, count(*) n FROM c GROUP BY ALL),
@@ -174,7 +190,8 @@ def _cross_sql(con, seed=0):
         md AS (SELECT {K}, value usual FROM (SELECT *, row_number() OVER (PARTITION BY {K} ORDER BY k DESC, value) rn FROM cnt) WHERE rn = 1)
         SELECT {K}, step FROM n JOIN md USING ({K}) WHERE n.value = md.usual""")
     stats = ', '.join(_Q(s) for s in _m.CROSS_STATS)
-    stationary = _q(con, f"""SELECT {K}, bool_and(coalesce((mx - mn) / greatest(abs(mn), abs(mx), 1e-30) <= {_m.STATIONARY_RTOL}, false)) stationary
+    stationary = _q(con, f"""SELECT {K}, bool_and(coalesce(CASE WHEN greatest(abs(mn), abs(mx)) > 0 THEN (mx - mn) / greatest(abs(mn), abs(mx)) ELSE 0 END
+                                  <= {_m.STATIONARY_RTOL}, false)) stationary
         FROM (SELECT {K}, stat, idx, min(value) mn, max(value) mx FROM base JOIN usual USING ({K}, step)
               WHERE stat IN ({stats}) GROUP BY ALL) GROUP BY ALL""", _m.KEYS).stationary
     steps = _q(con, f"SELECT {K}, count(*) steps FROM usual GROUP BY ALL", _m.KEYS).steps
@@ -210,7 +227,8 @@ def mine_duckdb(src, # a Parquet dataset directory, a .parquet / .csv sketches f
         if con.execute("SELECT count(*) FROM (SELECT 1 FROM base LIMIT 1)").fetchone()[0]:
             f, cs = _features_sql(con), _cross_sql(con)
             parts = [r(f) for r in _m.TAP_RULES] + parts + [r(cs) for r in _m.CROSS_RULES]
-        return _m._collect(parts, cs)
+        st = _m._step_frame(_q(con, "SELECT * FROM steps", _m.KEYS + ['step']))
+        return _m._collect(parts, cs, st)
     except duckdb.Error as e: raise ValueError(f"{name}: DuckDB could not mine it: {str(e).splitlines()[0]}") from None
     finally: con.close()
 
@@ -223,7 +241,7 @@ def select_sketches(src, # a Parquet dataset directory, a .parquet / .csv sketch
     con = _connect()
     try:
         _views(con, src, name)
-        return con.execute(f"SELECT * FROM sk WHERE stat IN ({', '.join(_Q(s) for s in stats)})").df()
+        return con.execute(f"SELECT * FROM raw WHERE stat IN ({', '.join(_Q(s) for s in stats)})").df()
     finally: con.close()
 
 # %% ../nbs/03a_scale.ipynb #b7860aef
