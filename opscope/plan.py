@@ -16,11 +16,11 @@ from .miner import crest_nz, crest_at_sqnr
 
 # %% auto #0
 __all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'DENSITY_MARGIN', 'GUARD_GRID', 'CREST_MARGIN',
-           'INT8_MAX_CREST', 'GUARD_STAT', 'Kernel', 'KERNELS', 'INT8_MAC_RATE', 'CSR_BYTES_PER_NNZ', 'BENCH_BLOCK_S',
-           'BENCH_ROUNDS', 'PLAN_COLUMNS', 'NOT_WORTH_IT', 'LOSSY_REL_TOL', 'parse_guard', 'format_guard',
-           'guard_holds', 'sketch_values', 'live_values', 'synthesize_guard', 'make_kernel', 'est_speedup', 'ab_bench',
-           'draw_like', 'stationary_taps', 'format_channels', 'parse_channels', 'plan', 'GuardedLinear', 'choose',
-           'specialize', 'check_specialized', 'format_plan']
+           'INT8_MAX_CREST', 'FINITE_GUARD', 'GUARD_STAT', 'Kernel', 'KERNELS', 'INT8_MAC_RATE', 'CSR_BYTES_PER_NNZ',
+           'BENCH_BLOCK_S', 'BENCH_ROUNDS', 'PLAN_COLUMNS', 'NOT_WORTH_IT', 'LOSSY_REL_TOL', 'parse_guard',
+           'format_guard', 'guard_holds', 'sketch_values', 'live_values', 'synthesize_guard', 'make_kernel',
+           'est_speedup', 'ab_bench', 'draw_like', 'stationary_taps', 'format_channels', 'parse_channels', 'plan',
+           'GuardedLinear', 'choose', 'specialize', 'check_specialized', 'format_plan']
 
 # %% ../nbs/07_plan.ipynb #e5875b62
 import operator as _op
@@ -110,17 +110,20 @@ GUARD_GRID = 0.05       # density thresholds are rounded up to this grid
 CREST_MARGIN = 1.25     # crest headroom (×) above the largest recorded step
 INT8_MAX_CREST = crest_at_sqnr(INT8_MIN_SQNR_DB, 8)   # the miner's est. SQNR = INT8_MIN_SQNR_DB here
 
+FINITE_GUARD = 'lhs.nan_count <= 0 and lhs.inf_count <= 0'   # every guard ends in this: no exploit on NaN/Inf data
+
 def _up(v, grid): return math.ceil(round(v / grid, 9)) * grid
 
 def synthesize_guard(exploit:str, # 'dead-channels', 'sparse-gemm' or 'int8'
                      per_step:pd.Series, # the guarded lhs statistic per recorded step
                     )->str:
-    "The guard text for `exploit`, from the recorded values of its statistic with a margin."
+    "The guard text for `exploit`, from the recorded values of its statistic with a margin, and `FINITE_GUARD`."
     hi = float(per_step.max())
-    if exploit == 'dead-channels': return 'lhs.chan_absmax[channels] <= 0'
-    if exploit == 'sparse-gemm': return f'lhs.density <= {min(_up(hi + DENSITY_MARGIN, GUARD_GRID), SPARSE_DENSITY_MAX):.2f}'
-    if exploit == 'int8': return f'lhs.crest <= {min(_up(hi * CREST_MARGIN, 0.1), math.floor(INT8_MAX_CREST * 10) / 10):.1f}'
-    raise ValueError(f"no guard rule for exploit {exploit!r}")
+    if exploit == 'dead-channels': main = 'lhs.chan_absmax[channels] <= 0'
+    elif exploit == 'sparse-gemm': main = f'lhs.density <= {min(_up(hi + DENSITY_MARGIN, GUARD_GRID), SPARSE_DENSITY_MAX):.2f}'
+    elif exploit == 'int8': main = f'lhs.crest <= {min(_up(hi * CREST_MARGIN, 0.1), math.floor(INT8_MAX_CREST * 10) / 10):.1f}'
+    else: raise ValueError(f"no guard rule for exploit {exploit!r}")
+    return f'{main} and {FINITE_GUARD}'
 
 GUARD_STAT = {'dead-channels': 'chan_absmax', 'sparse-gemm': 'density', 'int8': 'crest'}
 

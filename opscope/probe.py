@@ -13,9 +13,9 @@ import torch
 
 # %% auto #0
 __all__ = ['MAX_SVD_ROWS', 'MAX_UNIQUE_NUMEL', 'Factoring', 'TWO_FOUR_KEEP', 'TwoFour', 'QUANT_OK_DB', 'Cardinality',
-           'MIN_FACTOR_SAVING', 'PROBE_MODELS', 'save_tensors', 'load_tensors', 'dump_sites', 'effective_rank',
-           'rank_at_energy', 'two_four', 'quantize', 'quant_error', 'cardinality', 'lut_verdict', 'probe',
-           'model_tensors', 'probe_report']
+           'MIN_FACTOR_SAVING', 'RANK_COLS', 'PROBE_MODELS', 'save_tensors', 'load_tensors', 'dump_sites',
+           'effective_rank', 'rank_at_energy', 'two_four', 'quantize', 'quant_error', 'cardinality', 'lut_verdict',
+           'probe', 'rank_table', 'probe_pointers', 'model_tensors', 'probe_report']
 
 # %% ../nbs/05_probe.ipynb #c5357b9c
 def save_tensors(path, # the `.safetensors` file to write
@@ -36,19 +36,34 @@ def save_tensors(path, # the `.safetensors` file to write
     return path
 
 # %% ../nbs/05_probe.ipynb #e6ff95c9
-def _check_safetensors(path:Path):
-    "Raise a clear `ValueError` unless `path` starts like a safetensors file."
+MAX_HEADER = 100_000_000   # bytes: safetensors' own limit on the JSON header
+
+def _why_not(head):
+    "What a file whose header does not parse most likely is."
+    if head[:4] == b'PK\x03\x04': return "a zip archive (torch.save writes these; they hold a pickle)"
+    if head[:1] == b'\x80': return "a Python pickle"
+    return "not a safetensors file (bad header)"
+
+def _is_entry(v):
+    return (isinstance(v, dict) and isinstance(v.get('dtype'), str) and isinstance(v.get('shape'), list)
+            and isinstance(v.get('data_offsets'), list) and len(v['data_offsets']) == 2)
+
+def _safetensors_header(path:Path)->dict:
+    "The parsed JSON header of the safetensors file `path`; a clear `ValueError` for anything else (never unpickled)."
     if not path.exists(): raise FileNotFoundError(f"no such tensor file: {path}")
-    with open(path, 'rb') as f: head = f.read(9)
     size = path.stat().st_size
-    if head[:4] == b'PK\x03\x04':
-        why = "a zip archive (torch.save writes these; they hold a pickle)"
-    elif head[:1] == b'\x80':
-        why = "a Python pickle"
-    elif len(head) < 9 or struct.unpack('<Q', head[:8])[0] > size - 8 or head[8:9] != b'{':
-        why = "not a safetensors file (bad header)"
-    else: return
-    raise ValueError(f"{path}: {why}; opscope reads only safetensors and never unpickles")
+    with open(path, 'rb') as f:
+        head = f.read(8)
+        n = struct.unpack('<Q', head)[0] if len(head) == 8 else -1
+        raw = f.read(n) if 2 <= n <= min(size - 8, MAX_HEADER) else b''
+    try: meta = json.loads(raw.decode('utf-8')) if raw else None
+    except (UnicodeDecodeError, ValueError): meta = None
+    entries = {k: v for k, v in meta.items() if k != '__metadata__'} if isinstance(meta, dict) else None
+    if entries is None or not all(_is_entry(v) for v in entries.values()):
+        raise ValueError(f"{path}: {_why_not(head)}; opscope reads only safetensors and never unpickles")
+    end = max((v['data_offsets'][1] for v in entries.values()), default=0)
+    if 8 + n + end > size: raise ValueError(f"{path}: truncated safetensors file ({size} bytes, the header describes {8 + n + end})")
+    return meta
 
 # %% ../nbs/05_probe.ipynb #b4a94a19
 def load_tensors(path, # a `.safetensors` file written by `save_tensors` (or any safetensors writer)
@@ -57,7 +72,7 @@ def load_tensors(path, # a `.safetensors` file written by `save_tensors` (or any
     "Read a safetensors file into a dict of tensors; refuse pickles and `torch.save` files with a clear error."
     from safetensors.torch import load_file
     path = Path(path)
-    _check_safetensors(path)
+    _safetensors_header(path)
     try: return load_file(str(path), device=str(device))
     except Exception as e: raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
 
@@ -256,6 +271,37 @@ def probe(tensors:dict, # name -> tensor, e.g. from `load_tensors` or `dump_site
     "Every probe on every tensor: one row per (tensor, probe) with columns `name, probe, value, verdict`."
     rows = [r for name, t in tensors.items() for r in _tensor_rows(name, t)]
     return pd.DataFrame(rows, columns=['name', 'probe', 'value', 'verdict'])
+
+# %% ../nbs/05_probe.ipynb #c9b68a64
+RANK_COLS = ['site', 'role', 'rows', 'cols', 'erank', 'rank99', 'saving']   # = miner.RANK_COLUMNS
+
+def rank_table(tensors:dict, # 'site/role' -> tensor, e.g. from `dump_sites`
+               run_id:str=None, # the run they were dumped from (a `run_id` column), to tell runs apart
+              )->pd.DataFrame:
+    "Per floating-point matrix: rows, cols, effective rank, rank at 99 % energy and the factoring's MAC saving (NaN/Inf read as 0)."
+    rows = []
+    for name, t in tensors.items():
+        if t.ndim < 2 or not t.is_floating_point(): continue
+        site, _, role = name.rpartition('/')
+        t = torch.nan_to_num(t.detach().float(), 0., 0., 0.)
+        m, n = _as_matrix(t).shape
+        f = rank_at_energy(t, 0.99)
+        rows.append(dict(site=site, role=role, rows=m, cols=n, erank=effective_rank(t), rank99=f.rank, saving=f.saving))
+    df = pd.DataFrame(rows, columns=RANK_COLS)
+    if run_id is not None: df.insert(0, 'run_id', str(run_id))
+    return df
+
+def probe_pointers(findings:pd.DataFrame, # from `miner.mine`
+                   model, inputs, # the model and one batch of the run the findings are about
+                   run_id:str=None, # only this run's pointers (default: all; then their sites must be the model's)
+                  )->pd.DataFrame:
+    "Dump the taps that `findings`' `deep-dump` pointers name, from one run of `model` on `inputs`, and `rank_table` them."
+    p = findings[findings.exploit == 'deep-dump']
+    if run_id is not None: p = p[p.run_id.astype(str) == str(run_id)]
+    if p.empty: return rank_table({}, run_id)
+    dump = dump_sites(model, inputs, sites=sorted(set(p.site)), roles=tuple(sorted(set(p.role))))
+    want = set(p.site.astype(str) + '/' + p.role.astype(str))
+    return rank_table({k: v for k, v in dump.items() if k in want}, run_id)
 
 # %% ../nbs/05_probe.ipynb #d13718c6
 PROBE_MODELS = ('mnist', 'minilm', 'transformer')

@@ -10,7 +10,7 @@ from opscope.recorder import record
 from opscope.miner import mine
 from opscope.plan import (plan, specialize, choose, check_specialized, parse_guard, format_guard, guard_holds,
                           sketch_values, live_values, parse_channels, make_kernel, format_plan, PLAN_COLUMNS,
-                          NOT_WORTH_IT, LOSSY_REL_TOL, stationary_taps)
+                          NOT_WORTH_IT, LOSSY_REL_TOL, stationary_taps, FINITE_GUARD)
 
 MACHINE = dict(peak_flops=2e10, bandwidth=1.6e10)   # fixed, so estimates do not depend on this run's load
 
@@ -34,7 +34,7 @@ def test_plan_columns_and_dead_columns_row(mnist):
     dead = p[(p.site == 'fc1') & (p.exploit == 'dead-channels')].iloc[0]
     want = sorted(found.query("site == 'fc1' and role == 'lhs' and exploit == 'dead-channels'").idx)
     assert parse_channels(dead.channels) == want and len(want) > 100
-    assert dead.guard == 'lhs.chan_absmax[channels] <= 0' and dead.guard_holds == 1 and dead.guard_sigma == 0
+    assert dead.guard == 'lhs.chan_absmax[channels] <= 0 and ' + FINITE_GUARD and dead.guard_holds == 1 and dead.guard_sigma == 0
     assert (dead.M, dead.K, dead.N) == (64, 784, 256) and bool(dead.exact)
     assert dead.measured_speedup > 0 and dead.dense_ms > 0 and dead.special_ms > 0
 
@@ -45,7 +45,7 @@ def test_every_row_is_measured_and_losers_say_so(mnist):
     assert (p.measured_speedup > 0).all() and p.est_speedup.notna().all()
     assert ((p.measured_speedup < 1) == p.note.str.startswith(NOT_WORTH_IT)).all()
     sp = p[(p.site == 'fc1') & (p.exploit == 'sparse-gemm')].iloc[0]
-    assert sp.guard == 'lhs.density <= 0.25' and sp.guard_holds == 1   # fc1 density ~0.19 + margin
+    assert sp.guard == 'lhs.density <= 0.25 and ' + FINITE_GUARD and sp.guard_holds == 1   # fc1 density ~0.19 + margin
     assert set(p[p.exploit == 'prepack'].site) == {'fc1', 'fc2', 'fc3'}
     assert 'fc1  dead-channels' in format_plan(p)
 
@@ -147,7 +147,7 @@ def test_cli_plan_prints_and_writes(cli, sketch_file):
     r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--out', str(out))
     assert r.returncode == 0, r.stderr
     line = next(l for l in r.stdout.splitlines() if l.startswith('fc1  dead-channels'))
-    assert 'guard lhs.chan_absmax[channels] <= 0 (holds 2/2, σ 0)' in line and 'est ' in line and 'measured ' in line
+    assert f'guard lhs.chan_absmax[channels] <= 0 and {FINITE_GUARD} (holds 2/2, σ 0)' in line and 'est ' in line and 'measured ' in line
     back = pd.read_csv(out)
     assert list(back.columns) == PLAN_COLUMNS and len(back) == len(r.stdout.split('\n\n')[0].splitlines())
     # the written plan drives specialize
