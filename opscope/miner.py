@@ -89,7 +89,7 @@ FEATURES = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'n
 def _derived(f, steps):
     "The features computed from the pooled reductions `f` (shared with the DuckDB engine, `scale.mine_duckdb`)."
     f = f.reindex(columns=list(dict.fromkeys(list(FEATURES) + list(f.columns)))).astype(float)  # a stat no row holds: NaN, no rule fires
-    f['kurtosis'] = f.kurtosis_all * f.density
+    f['kurtosis'] = f.kurtosis_all * f.density.where(f.density > 0)   # no non-zero values: no kurtosis of them
     f['crest_nz'] = crest_nz(f.absmax, f.rms, f.density)
     f['rho'] = f.cv2 * f.channels / (f.kurtosis_all - 1).clip(lower=1e-6)
     f['steps'] = steps
