@@ -53,15 +53,34 @@ def atomic_output(path): # the file the block produces
 def opscope_probe(model:str='mnist', # mnist, minilm or transformer
                   dump:str=None, # also save the probed tensors to this .safetensors file
                   batch:int=64, # activation batch: images, sentences (minilm: at most 8) or tokens/8 sequences
+                  sweep:str=None, # instead: a sweep's sketches (from opscope-sweep); dump and probe its deep-dump pointers
+                  seed:int=0, # with --sweep: the sweep's --seed
                  ):
-    "Probe a model's weights and activations: effective rank, rank at 99% energy, 2:4, int8/int4 SQNR, distinct values."
+    "Probe a model's weights and activations (effective rank, rank at 99% energy, 2:4, int8/int4 SQNR, distinct values), or close a sweep's deep-dump pointers."
     with cli_errors('opscope-probe'):
+        if sweep: return _probe_sweep(sweep, seed)
         from opscope.probe import model_tensors, probe, probe_report, save_tensors
         ts = model_tensors(model, batch)
         if dump:
             with atomic_output(dump) as tmp: save_tensors(tmp, ts)
         print(probe_report(probe(ts)))
         if dump: print(f'\nsaved {len(ts)} tensors to {dump}')
+
+def _probe_sweep(path, seed):
+    "Each deep-dump pointer of the sweep at `path`, confirmed as low-rank or retracted, one line each."
+    from opscope.recorder import read_sketches
+    from opscope.miner import mine, confirm_low_rank, KEYS
+    from opscope.probe import sweep_ranks
+    sk = read_sketches(path)
+    found = mine(sk)
+    closed = confirm_low_rank(found, sweep_ranks(found, seed), sk[KEYS].drop_duplicates())
+    lr, back = closed[closed.exploit == 'low-rank'], closed.attrs['retracted']
+    lines = [(r.run_id, r.site, r.role, 'low-rank', r.detail) for r in lr.itertuples()]
+    lines += [(r.run_id, r.site, r.role, 'retracted', f'probe: effective rank {r.erank:.1f} of {r.dims:.0f}: not low rank')
+              for r in back.itertuples()]
+    w = [max((len(str(l[i])) for l in lines), default=0) for i in range(4)]
+    for l in sorted(lines): print('  '.join(str(v).ljust(k) for v, k in zip(l[:4], w)) + '  ' + l[4])
+    print(f"{(found.exploit == 'deep-dump').sum()} deep-dump pointers: {len(lr)} confirmed low-rank, {len(back)} retracted")
 
 # %% ../nbs/09_cli.ipynb #3a9abdd0
 @call_parse

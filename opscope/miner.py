@@ -569,8 +569,8 @@ def confirm_low_rank(findings:pd.DataFrame, # from `mine`
     ok = (r.erank <= LOWRANK_ERANK_SHARE * dims) & (r.saving >= LOWRANK_MIN_SAVING)
     c = r[ok]
     new = c[KEYS].assign(stat='effective_rank', idx=c.rank99.astype(np.int64), value=c.erank.astype(float), exploit='low-rank',
-                         detail=[f'probe: effective rank {e:.1f} of {d:.0f}, rank {k:.0f} holds 99% of the energy → factor the '
-                                 f'matmul at rank {k:.0f} (saves {s:.0%} of MACs)' for e, d, k, s in zip(c.erank, dims[ok], c.rank99, c.saving)])
+                         detail=[f'probe: effective rank {e:.1f} of {d:.0f}, rank {k:.0f} holds 99% of the energy → rank-{k:.0f} factors '
+                                 f'save {s:.0%} of the MACs of a matmul with it' for e, d, k, s in zip(c.erank, dims[ok], c.rank99, c.saving)])
     fk = _tapkey(findings)
     pointed = findings.exploit.eq('deep-dump') & fk.isin(set(_tapkey(r)))
     out = _sorted(pd.concat([findings[~(pointed | (findings.exploit.eq('low-rank') & fk.isin(set(_tapkey(r)))))], new],

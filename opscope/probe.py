@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_probe.ipynb #30a00bde
 from __future__ import annotations
-import json, math, struct
+import json, math, re, struct
 from collections import namedtuple
 from pathlib import Path
 import numpy as np
@@ -15,7 +15,7 @@ import torch
 __all__ = ['MAX_SVD_ROWS', 'MAX_UNIQUE_NUMEL', 'Factoring', 'TWO_FOUR_KEEP', 'TwoFour', 'QUANT_OK_DB', 'Cardinality',
            'MIN_FACTOR_SAVING', 'RANK_COLS', 'PROBE_MODELS', 'save_tensors', 'load_tensors', 'dump_sites',
            'effective_rank', 'rank_at_energy', 'two_four', 'quantize', 'quant_error', 'cardinality', 'lut_verdict',
-           'probe', 'rank_table', 'probe_pointers', 'model_tensors', 'probe_report']
+           'probe', 'rank_table', 'probe_pointers', 'sweep_ranks', 'model_tensors', 'probe_report']
 
 # %% ../nbs/05_probe.ipynb #c5357b9c
 def save_tensors(path, # the `.safetensors` file to write
@@ -288,7 +288,7 @@ def rank_table(tensors:dict, # 'site/role' -> tensor, e.g. from `dump_sites`
         f = rank_at_energy(t, 0.99)
         rows.append(dict(site=site, role=role, rows=m, cols=n, erank=effective_rank(t), rank99=f.rank, saving=f.saving))
     df = pd.DataFrame(rows, columns=RANK_COLS)
-    if run_id is not None: df.insert(0, 'run_id', str(run_id))
+    if run_id is not None: df.insert(0, 'run_id', pd.Series([str(run_id)] * len(df), dtype=object))
     return df
 
 def probe_pointers(findings:pd.DataFrame, # from `miner.mine`
@@ -302,6 +302,21 @@ def probe_pointers(findings:pd.DataFrame, # from `miner.mine`
     dump = dump_sites(model, inputs, sites=sorted(set(p.site)), roles=tuple(sorted(set(p.role))))
     want = set(p.site.astype(str) + '/' + p.role.astype(str))
     return rank_table({k: v for k, v in dump.items() if k in want}, run_id)
+
+def sweep_ranks(findings:pd.DataFrame, # `miner.mine` of sketches `recorder.sweep` recorded (run ids `dist-MxKxN`)
+                seed:int=0, structure_seed:int=0, # the sweep's seeds (step 0 is drawn with `seed`)
+               )->pd.DataFrame:
+    "`probe_pointers` for every sweep run with a `deep-dump` pointer: its step-0 batch drawn again, the pointed taps dumped and measured."
+    from opscope import zoo      # (zoo imports nothing of opscope; kept lazy like model_tensors)
+    parts = []
+    for run in sorted(set(findings.loc[findings.exploit == 'deep-dump', 'run_id'].astype(str))):
+        m = re.fullmatch(r'(.+)-(\d+)x(\d+)x(\d+)', run)
+        if m is None or m.group(1) not in zoo.DISTS:
+            raise ValueError(f"run {run!r} is not a sweep run (dist-MxKxN); dump its taps with probe.probe_pointers")
+        d, (M, K, N) = m.group(1), map(int, m.groups()[1:])
+        x = zoo.make_tensor(d, (M, K), seed=seed, structure_seed=structure_seed)
+        parts.append(probe_pointers(findings, zoo.gemm(K, N), x, run_id=run))
+    return pd.concat(parts, ignore_index=True) if parts else rank_table({}, '')
 
 # %% ../nbs/05_probe.ipynb #d13718c6
 PROBE_MODELS = ('mnist', 'minilm', 'transformer')
