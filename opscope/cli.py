@@ -135,9 +135,12 @@ def format_findings(findings, sketches=None)->str:
     drift = {} if cs is None else {tuple(map(str, k)): ('stationary' if r.stationary else f'drift {r.drift:.0%}/step')
                                    for k, r in cs.iterrows() if r.steps >= 2}
     if sketches is not None:
-        dens = sketches[sketches.stat == 'density'].groupby(keys, observed=True).value.mean()
-        taps = [(tuple(map(str, k)), f'density {v:.3f}' + (f'  {drift[tuple(map(str, k))]}' if tuple(map(str, k)) in drift else ''))
-                for k, v in dens.items()]
+        from opscope.miner import step_table, drop_nonfinite_steps
+        every = [tuple(map(str, k)) for k in sketches[sketches.stat == 'density'].groupby(keys, observed=True).size().index]
+        clean = drop_nonfinite_steps(sketches, step_table(sketches))   # a NaN/Inf step's density describes NaN-zeroed data
+        dens = {tuple(map(str, k)): v for k, v in clean[clean.stat == 'density'].groupby(keys, observed=True).value.mean().items()}
+        taps = [(k, (f'density {dens[k]:.3f}' if k in dens else 'density     -') + (f'  {drift[k]}' if k in drift else ''))
+                for k in every]
     else: taps = [(k, '') for k in notes]
     if not taps: return 'no findings'
     order = {'lhs': 0, 'rhs': 1, 'out': 2}

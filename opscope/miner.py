@@ -443,7 +443,7 @@ def rule_nonfinite(st):
         nan, inf = int(g.nan_count.sum()), int(g.inf_count.sum())
         share = (nan + inf) / g.numel.sum() if g.numel.sum() > 0 else np.nan
         what = ('no clean step, so no value-structure claim is made' if len(g) == n else
-                f'steps {_steps_text(steps)} dropped from the value rules (they read the other {n - len(g)}); cross-step claims refused')
+                f'step{"s" if len(g) > 1 else ""} {_steps_text(steps)} dropped from the value rules (they read the other {n - len(g)}); cross-step claims refused')
         rows.append(dict(zip(KEYS, key), stat='nan_count', idx=-1, value=share, exploit='nonfinite',
                          detail=f'NaN/Inf: {share:.1%} of values (NaN {nan}, Inf {inf}) on {len(g)} of {n} steps, first at step '
                                 f'{int(steps.min())} → {what}'))
