@@ -245,11 +245,37 @@ def bench_report(full:bool=False, # the goal sizes (minutes, compiles) instead o
     rep = dict(eager=overhead_table(*bench_model(**S['eager']), repeats=repeats),
                online=online_table(*bench_model(**S['online']), steps=160 if full else 24))
     if compile: rep['compiled'] = overhead_table(*bench_model(**S['compiled']), repeats=repeats, compile=True, ao=False)
+    rep['profile'] = sketch_profile(*bench_model(**S['eager']), calls=3 if full else 1)
     rep['miner'] = miner_throughput(miner_rows or (10**7 if full else 3 * 10**4))
     return rep
 
+def _reasons(rep, got):
+    "Why each figure is where it is, from the run's own tables (printed beside a missed goal)."
+    e, o = rep['eager'].set_index('method'), rep['online'].set_index('every')
+    why = {}
+    if 8 in o.index:
+        r = o.loc[8]
+        why['online 1-in-8 mean step / plain'] = (f"a sampled step costs {r.sampled_ratio:.2f}x its plain forward and an unsampled one "
+                                                   f"{r.unsampled_ratio:.2f}x; at 1 in 8 the mean is bounded below by 1 + ({r.sampled_ratio:.2f} - 1)/8")
+    p = rep.get('profile')
+    top = '' if p is None else ', '.join(f"{op.replace('aten::', '')} {sh:.0%}" for op, sh in zip(p.op, p.share) if 'mm' not in op)
+    why['injected eager / plain eager'] = (f"{int(e.taps['injected (eager)'])} taps, each a few memory-bound passes the eager executor cannot fuse"
+                                           + (f"; self time beyond the matmuls: {top}" if top else ''))
+    ll = like_for_like(rep['eager'])
+    why['hooks + numpy / injected eager'] = (f"hooks cover {ll['hook_taps']} of {ll['injected_taps']} taps (no @/bmm); per tap covered they add "
+                                             f"{ll['per_tap']:.1f}x the injected graph's overhead")
+    if 'compiled' in rep:
+        c = rep['compiled'].set_index('method')
+        why['compiled injected / compiled plain'] = (f"the sketches add {c.ms['injected (compiled)'] - c.ms['plain forward (compiled)']:.1f} ms to a "
+                                                     f"{c.ms['plain forward (compiled)']:.1f} ms forward: reductions over every tapped tensor, which "
+                                                     "Inductor fuses among themselves but not into the matmuls (extern GEMM calls on CPU)")
+        why['compile time injected / plain'] = (f"{c.compile_s['injected (compiled)']:.0f} s vs {c.compile_s['plain forward (compiled)']:.0f} s: "
+                                                f"{int(c.taps['injected (compiled)']) * len(STATS)} extra graph outputs and one sketch region per tensor shape")
+        why['graph breaks (injected, compiled)'] = 'Dynamo traces the whole injected graph as one'
+    return why
+
 def goal_table(rep:dict)->pd.DataFrame:
-    "Each goal's measured figure, target, and whether it is met."
+    "Each goal's measured figure, target, whether it is met, and why the figure is where it is."
     e, o = rep['eager'].set_index('method'), rep['online'].set_index('every')
     got = {'online 1-in-8 mean step / plain': o.nominal_ratio.get(8, np.nan),
            'injected eager / plain eager': e.ratio['injected (eager)'],
@@ -259,8 +285,10 @@ def goal_table(rep:dict)->pd.DataFrame:
         got['compiled injected / compiled plain'] = c.ms['injected (compiled)'] / c.ms['plain forward (compiled)']
         got['compile time injected / plain'] = c.compile_s['injected (compiled)'] / c.compile_s['plain forward (compiled)']
         got['graph breaks (injected, compiled)'] = c.graph_breaks['injected (compiled)']
+    why = _reasons(rep, got)
     rows = [dict(goal=g, measured=got.get(g, np.nan), target=f'{op} {t}',
-                 met=bool(got[g] <= t if op == '<=' else got[g] >= t) if g in got and np.isfinite(got[g]) else None) for g, t, op in GOALS]
+                 met=bool(got[g] <= t if op == '<=' else got[g] >= t) if g in got and np.isfinite(got[g]) else None,
+                 why=why.get(g, 'not measured in this run') if g in got else 'not measured in this run (compile=False)') for g, t, op in GOALS]
     return pd.DataFrame(rows)
 
 # %% ../nbs/11_bench.ipynb #b036ench

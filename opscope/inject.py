@@ -155,12 +155,25 @@ def _hist(v, bins):
     return torch.zeros(bins, dtype=v.dtype, device=v.device).scatter_add_(0, idx, torch.ones_like(v))
 
 def _clean_code(x2):
-    "x2 with NaN/±inf zeroed, and a flat code exactly 0 where finite, 1 at NaN, 2 at ±inf."
+    "x2 with NaN/±inf zeroed, and a code exactly 0 where finite, 1 at NaN, 2 at ±inf."
     if torch.compiler.is_compiling():   # vectorized compares: Inductor's CPU isnan is a scalar loop
         fin = x2.abs() < math.inf
-        return torch.where(fin, x2, 0.0), torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0)).reshape(-1)
+        return torch.where(fin, x2, 0.0), torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))
     clean = torch.nan_to_num(x2, nan=0.0, posinf=0.0, neginf=0.0)
-    return clean, torch.nan_to_num(x2, nan=1.0, posinf=2.0, neginf=2.0).sub_(clean).reshape(-1)
+    return clean, torch.nan_to_num(x2, nan=1.0, posinf=2.0, neginf=2.0).sub_(clean)
+
+def _code_sums(code):
+    "The code's sum and sum of squares (nan + 2·inf, nan + 4·inf): per row when compiling, so they fuse into the row pass."
+    if torch.compiler.is_compiling(): return code.sum(-1).sum(), (code * code).sum(-1).sum()
+    flat = code.reshape(-1)
+    return flat.sum(), torch.dot(flat, flat)
+
+def _adjacent_dots(clean, T):
+    "Dot product of each row with the next within its sequence, shape (R/T, T-1)."
+    if torch.compiler.is_compiling():   # a shifted read over the same (rows, channels) loop: fuses into the row pass
+        return (clean * clean.roll(-1, 0)).sum(-1).reshape(-1, T)[:, :-1]
+    rows = clean.reshape(-1, T, clean.shape[-1])
+    return (rows[:, 1:] * rows[:, :-1]).sum(-1)
 
 def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); read detached, never part of autograd
            bins:int=64, # histogram bins over [-1, 1] of x / absmax
@@ -173,7 +186,7 @@ def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); 
     # every temporary below is the sketch's own, so its in-place ops touch nothing autograd or the model sees
     clean, code = _clean_code(x2)
     row_sum = clean.sum(-1)
-    s1, s2 = code.sum(), torch.dot(code, code)   # nan + 2·inf and nan + 4·inf, exact integers below 2^24
+    s1, s2 = _code_sums(code)                     # nan + 2·inf and nan + 4·inf, exact integers below 2^24
     inf = (s2 - s1) / 2
     nan = s1 - 2 * inf
     cmax, cmin = clean.amax(0), clean.amin(0)
@@ -184,9 +197,8 @@ def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); 
     mean = row_sum.sum() / n
     ms = row_energy.square().sum() / n
     std = (ms - mean * mean).clamp_min(0).sqrt()
-    rows = clean.reshape(-1, T, C)
     e = row_energy.reshape(-1, T)
-    adj_cos = ((rows[:, 1:] * rows[:, :-1]).sum(-1) / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
+    adj_cos = (_adjacent_dots(clean, T) / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
     sample = clean.reshape(-1)[::max(1, n // HIST_SAMPLE)]
     hist = _hist(sample / (absmax + 1e-12), bins)
     nearzero = (sample.abs() <= NEARZERO_REL * absmax).float().mean()
