@@ -11,7 +11,7 @@ from fastcore.script import call_parse, Param
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'CliError', 'cli_errors', 'atomic_output', 'opscope_probe', 'opscope_shapes', 'opscope_sweep',
            'format_findings', 'opscope_mine', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow',
-           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer']
+           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench']
 
 # %% ../nbs/09_cli.ipynb #3615fb9d
 class CliError(Exception):
@@ -319,3 +319,21 @@ def opscope_infer(out:str, # the sketches file to write (.csv or .parquet)
         found = mine(pd.concat(frames, ignore_index=True))
         print(f"wrote {sum(map(len, frames)):,} rows → {p}\n")
         print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))
+
+# %% ../nbs/09_cli.ipynb #c11bench2
+@call_parse
+def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torch.compile, mines 10^7 rows) instead of the small ones
+                  out:str=None, # also save every table to this CSV (read back with `opscope.bench.load_report`)
+                  miner_rows:int=None, # rows for the miner throughput (default 10^7 with --full, 3·10^4 without)
+                  compile:bool=False, # also compile at the small size (always with --full)
+                 ):
+    "Run the benchmark page's measurements; print every table and the goals, met or missed."
+    with cli_errors('opscope-bench'):
+        from opscope.bench import bench_report, goal_table, save_report   # imported where used, as the other commands here
+        if out: p = _check_out_path(out)
+        rep = bench_report(full=full, miner_rows=miner_rows, compile=True if full or compile else False)
+        for k, t in rep.items(): print(f"{k}:\n{t.round(3).to_string(index=False)}\n", flush=True)
+        print(goal_table(rep).round(3).to_string(index=False))
+        if out:
+            with atomic_output(p) as tmp: save_report(rep, tmp)
+            print(f"wrote {p}")

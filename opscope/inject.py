@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_inject.ipynb #033c35b0
 from __future__ import annotations
-import copy, math, operator, time, weakref
+import copy, functools, math, operator, time, weakref
 from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
@@ -16,11 +16,11 @@ import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
 
 # %% auto #0
-__all__ = ['MATMUL_TARGETS', 'MATMUL_METHODS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'INFER_KINDS',
-           'ATTN_STATS', 'GATE_STATS', 'SDPA_TARGETS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS',
-           'trace', 'Site', 'matmul_sites', 'sketch', 'hist_sample_error', 'sketch_static', 'inject_matmul_stats',
-           'gate', 'attn_sketch', 'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats',
-           'overhead_table']
+__all__ = ['MATMUL_TARGETS', 'MATMUL_METHODS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS',
+           'SKETCH_REGION_SHAPES', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_TARGETS', 'SDPA_RTOL', 'SDPA_ATOL',
+           'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'matmul_sites', 'sketch', 'refresh_static',
+           'inject_matmul_stats', 'compile_injected', 'gate', 'attn_sketch', 'gate_sketch', 'decompose_sdpa',
+           'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -149,64 +149,138 @@ def _empty_sketch(x2, bins):
             x2.new_full((C,), float('nan')), x2.new_full((C,), float('nan')), x2.new_zeros(R), x2.new_zeros(bins))
 
 # %% ../nbs/01_inject.ipynb #c5c687d9
-def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
+def _hist(v, bins):
+    "`torch.histc(v, bins, -1, 1)` for v in [-1, 1] (the same bins exactly for power-of-two `bins`), as a fixed-size scatter-add Inductor can lower."
+    idx = ((v + 1) * (bins / 2)).long().clamp_(0, bins - 1)
+    return torch.zeros(bins, dtype=v.dtype, device=v.device).scatter_add_(0, idx, torch.ones_like(v))
+
+def _clean_code(x2):
+    "x2 with NaN/±inf zeroed, and a code exactly 0 where finite, 1 at NaN, 2 at ±inf."
+    if torch.compiler.is_compiling():   # vectorized compares: Inductor's CPU isnan is a scalar loop
+        fin = x2.abs() < math.inf
+        return torch.where(fin, x2, 0.0), torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))
+    clean = torch.nan_to_num(x2, nan=0.0, posinf=0.0, neginf=0.0)
+    return clean, torch.nan_to_num(x2, nan=1.0, posinf=2.0, neginf=2.0).sub_(clean)
+
+def _code_sums(code):
+    "The code's sum and sum of squares (nan + 2·inf, nan + 4·inf): per row when compiling, so they fuse into the row pass."
+    if torch.compiler.is_compiling(): return code.sum(-1).sum(), (code * code).sum(-1).sum()
+    flat = code.reshape(-1)
+    return flat.sum(), torch.dot(flat, flat)
+
+def _adjacent_dots(clean, T):
+    "Dot product of each row with the next within its sequence, shape (R/T, T-1)."
+    if torch.compiler.is_compiling():   # a shifted read over the same (rows, channels) loop: fuses into the row pass
+        return (clean * clean.roll(-1, 0)).sum(-1).reshape(-1, T)[:, :-1]
+    rows = clean.reshape(-1, T, clean.shape[-1])
+    return (rows[:, 1:] * rows[:, :-1]).sum(-1)
+
+def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); read detached, never part of autograd
            bins:int=64, # histogram bins over [-1, 1] of x / absmax
           )->tuple:
     "The sketch of `x`: a tuple of tensors in the order of `STATS`."
-    x2, T = _as_rows(x)
+    x2, T = _as_rows(x.detach())
     R, C = x2.shape
     n = R * C
     if n == 0: return _empty_sketch(x2, bins)
-    # both buffers contiguous whatever x's strides (a transposed operand's view keeps its strides otherwise)
-    clean = torch.nan_to_num(x2, nan=0.0, posinf=0.0, neginf=0.0, out=torch.empty((R, C), dtype=x2.dtype, device=x2.device))
+    # every temporary below is the sketch's own, so its in-place ops touch nothing autograd or the model sees
+    clean, code = _clean_code(x2)
     row_sum = clean.sum(-1)
-    buf = torch.nan_to_num(x2, nan=1.0, posinf=2.0, neginf=2.0, out=torch.empty_like(clean))
-    code = buf.sub_(clean).view(-1)          # exactly 0 where finite, 1 at NaN, 2 at ±inf: no rounding anywhere
-    s1, s2 = code.sum(), torch.dot(code, code)   # nan + 2·inf and nan + 4·inf, exact integers below 2^24
+    s1, s2 = _code_sums(code)                     # nan + 2·inf and nan + 4·inf, exact integers below 2^24
     inf = (s2 - s1) / 2
     nan = s1 - 2 * inf
     cmax, cmin = clean.amax(0), clean.amin(0)
     chan_absmax = torch.maximum(cmax, -cmin)
     absmax = chan_absmax.max()
-    chan_density = torch.sign(clean, out=buf).abs_().sum(0) / R
+    chan_density = torch.sign(clean).abs_().sum(0) / R
     row_energy = torch.linalg.vector_norm(clean, dim=-1)
     mean = row_sum.sum() / n
     ms = row_energy.square().sum() / n
     std = (ms - mean * mean).clamp_min(0).sqrt()
-    rows = clean.reshape(-1, T, C)
     e = row_energy.reshape(-1, T)
-    prod = torch.mul(rows[:, 1:], rows[:, :-1], out=buf.view(-1)[:rows[:, 1:].numel()].view(rows[:, 1:].shape))
-    adj_cos = (prod.sum(-1) / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
+    adj_cos = (_adjacent_dots(clean, T) / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
     sample = clean.reshape(-1)[::max(1, n // HIST_SAMPLE)]
-    hist = torch.histc(sample / (absmax + 1e-12), bins, -1.0, 1.0)
+    hist = _hist(sample / (absmax + 1e-12), bins)
     nearzero = (sample.abs() <= NEARZERO_REL * absmax).float().mean()
     numel = torch.full((), n, dtype=clean.dtype, device=clean.device)
     return (numel, cmin.min(), cmax.max(), mean, std, absmax, ms.sqrt(), chan_density.mean(), nearzero, nan, inf,
             adj_cos, chan_absmax, chan_density, row_energy, hist)
 
-# %% ../nbs/01_inject.ipynb #33132fc0
-def hist_sample_error(shape=(1024, 512), bins=64, seed=0)->pd.DataFrame:
-    "Total variation distance between the sampled histogram's shares and the full tensor's, per distribution."
-    from opscope.zoo import DISTS, make_tensor
-    rows = []
-    for d in DISTS:
-        x = make_tensor(d, shape, seed=seed)
-        full = torch.histc(x / (x.abs().max() + 1e-12), bins, -1, 1)
-        samp = dict(zip(STATS, sketch(x, bins)))['hist']
-        rows.append(dict(dist=d, sampled=int(samp.sum()), full=x.numel(),
-                         tv_distance=0.5 * (samp / samp.sum() - full / full.sum()).abs().sum().item()))
-    return pd.DataFrame(rows).set_index('dist')
+SKETCH_REGION_SHAPES = 256  # distinct tapped-tensor shapes one compiled graph may hold (torch's default, 8, is too few)
+_sketch_region = torch.compiler.nested_compile_region(sketch, max_reuse_entries=SKETCH_REGION_SHAPES)
+
+def _sketch_node(x, bins):
+    "The graph's sketch node: `sketch` as a nested compile region, so `torch.compile` compiles it once per tensor shape, not once per tap."
+    return _sketch_region(x, bins)
 
 # %% ../nbs/01_inject.ipynb #7a1f7fc2
-def sketch_static(w:torch.Tensor, # a parameter or buffer
-                  bins:int=64)->tuple:
-    "`sketch(w, bins)`, recomputed only when `w`'s version, storage, shape, dtype or device changes."
-    fp = (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device, bins)
-    hit = getattr(w, '_opscope_sketch', None)   # kept on the tensor itself: it dies with the tensor
-    if hit is not None and hit[0] == fp: return hit[1]
-    with torch.no_grad(): s = sketch(w.detach(), bins)
-    w._opscope_sketch = (fp, s)
-    return s
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PROJ = {}   # (n, dtype, device) -> a fixed random vector of the value fingerprint (host-side cache, outside any graph)
+
+def _proj(n, dtype, device, salt):
+    key = (n, dtype, device, salt)
+    if key not in _PROJ:
+        g = torch.Generator().manual_seed(0x0C5C0BE + n + 7919 * salt)
+        _PROJ[key] = (torch.rand(n, generator=g) + 0.5).to(dtype=dtype, device=device)
+    return _PROJ[key]
+
+def _odd(n, device):
+    key = (n, 'odd', device)
+    if key not in _PROJ:
+        g = torch.Generator().manual_seed(0x0DD + n)
+        _PROJ[key] = (torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64) | 1).to(device)
+    return _PROJ[key]
+
+def _checksum(w:torch.Tensor)->torch.Tensor:
+    "Two int64s that change with any write to `w`'s values: the row-weighted exact sum of its bit patterns, and a random projection's bits."
+    w2 = w.detach().reshape(-1, w.shape[-1] if w.dim() else 1)
+    bits = w2.view(_INT_OF[w2.element_size()]).sum(1, dtype=torch.int64)
+    exact = (bits * _odd(len(bits), w2.device)).sum()          # wraps mod 2^64: any single change is seen
+    f = w2 if w2.dtype in (torch.float32, torch.float64) else w2.float()
+    proj = torch.mv(f, _proj(f.shape[1], f.dtype, f.device, 0)).dot(_proj(f.shape[0], f.dtype, f.device, 1))
+    return torch.stack([exact, proj.double().view(torch.int64)])
+
+def _sketch_sizes(R, C, bins): return (1,) * len(SCALARS) + (C, C, R, bins)
+
+def _flat_sketch(w, bins):
+    "`sketch(w)` as one flat float32 tensor: the weight cache's storage."
+    return torch.cat([t.reshape(-1).float() for t in sketch(w, bins)])
+
+def _split_sketch(buf, R:int, C:int, bins:int):
+    "A cached flat weight sketch as the `STATS` tuple; a copy, so a later refresh never changes stats already returned."
+    parts = torch.split(buf.clone(), _sketch_sizes(R, C, bins))
+    return tuple(p.reshape(()) if i < len(SCALARS) else p for i, p in enumerate(parts))
+
+def _resolve(gm, path): return functools.reduce(getattr, path.split('.'), gm)
+
+# %% ../nbs/01_inject.ipynb #a1f7fc2b
+def refresh_static(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass over it)
+                   force:bool=False, # re-sketch every cached weight whatever its fingerprint
+                  )->int:
+    "Re-sketch, outside the graph, every cached weight whose fingerprint changed; returns how many were re-sketched."
+    st = gm.meta.get('opscope_static')
+    if not st or not st['paths']: return 0
+    ws = [_resolve(gm, p) for p in st['paths']]
+    with torch.no_grad():
+        sums = torch.stack([_checksum(w) for w in ws]).tolist() if st['content'] else [()] * len(ws)   # one host read
+        n = 0
+        for path, name, w, cs in zip(st['paths'], st['bufs'], ws, sums):
+            fp = (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device, tuple(cs))
+            if not force and st['fp'].get(name) == fp: continue
+            buf, new = getattr(gm, name), _flat_sketch(w, st['bins'])
+            if new.shape != buf.shape or new.device != buf.device:
+                raise ValueError(f"weight {path} changed shape or device since injection ({tuple(buf.shape)} on {buf.device}); "
+                                 "inject the graph again")
+            buf.copy_(new)
+            st['fp'][name] = fp
+            n += 1
+    return n
+
+def _refresh_hook(mod, args):
+    "Refresh the weight sketches before an eager call."
+    # Dynamo traces module hooks, so under torch.compile this is skipped (it is Python with a host read):
+    # `compile_injected` refreshes outside the compiled region instead
+    if not torch.compiler.is_compiling(): refresh_static(mod)
 
 # %% ../nbs/01_inject.ipynb #2bb19141
 def _meta_shape(node):
@@ -254,12 +328,16 @@ def _merge_manifest(gm, rows):
     return new if old is None else pd.concat([old, new], ignore_index=True)
 
 # %% ../nbs/01_inject.ipynb #95592b8d
-def _tap(graph, x, bins, static):
-    "Insert a sketch of `x` (an fx Node, or a parameter path) right after it, and one getitem per stat."
-    if isinstance(x, str):
-        with graph.inserting_before(next(n for n in graph.nodes if n.op != 'placeholder')): x = graph.get_attr(x)
-    with graph.inserting_after(x):
-        sk = graph.call_function(sketch_static if static else sketch, (x, bins))
+def _tap(graph, x, bins, cached=None):
+    "Insert a sketch of `x` (an fx Node, or a parameter path) and one getitem per stat; `cached=(buffer, R, C)` reads a weight's cached sketch."
+    first = next(n for n in graph.nodes if n.op != 'placeholder')
+    if cached is not None:
+        with graph.inserting_before(first): buf = graph.get_attr(cached[0])
+        with graph.inserting_after(buf): sk = graph.call_function(_split_sketch, (buf, *cached[1:], bins))
+    else:
+        if isinstance(x, str):
+            with graph.inserting_before(first): x = graph.get_attr(x)
+        with graph.inserting_after(x): sk = graph.call_function(_sketch_node, (x, bins))
     with graph.inserting_after(sk):
         return {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
 
@@ -267,10 +345,30 @@ def _is_static(gm, x):
     if isinstance(x, str): return True
     return isinstance(x, fx.Node) and x.op == 'get_attr'
 
+def _static_state(new, gm, bins, mode):
+    "The weight cache's state, kept in `meta` so passes over this module share it (and its buffers)."
+    old = gm.meta.get('opscope_static')
+    st = dict(paths=list(old['paths']), bufs=list(old['bufs']), fp=old['fp']) if old else dict(paths=[], bufs=[], fp={})
+    new.meta['opscope_static'] = {**st, 'bins': bins, 'content': mode != 'version'}
+    return new.meta['opscope_static']
+
+def _cache_weight(new, st, path):
+    "Register the cached-sketch buffer of the weight at `path`; returns `(buffer name, R, C)` for `_tap`."
+    w = _resolve(new, path)
+    R, C = (w.numel() // w.shape[-1], w.shape[-1]) if w.dim() else (1, 1)
+    name = f'_opscope_wsketch_{len(st["bufs"])}'
+    new.register_buffer(name, torch.zeros(sum(_sketch_sizes(R, C, st['bins'])), device=w.device), persistent=False)
+    st['paths'].append(path); st['bufs'].append(name)
+    return name, R, C
+
+def _install_refresh(new):
+    "The forward pre-hook that refreshes cached weight sketches before the graph runs (outside any compiled region)."
+    if new.meta.get('opscope_static', {}).get('paths'): new.register_forward_pre_hook(_refresh_hook)
+
 # %% ../nbs/01_inject.ipynb #a987eacb
 def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
                         bins:int=64, # histogram bins
-                        cache_weights:bool=True, # sketch parameters only when they change (`sketch_static`)
+                        cache_weights=True, # True: weights sketched outside the graph when their fingerprint (incl. values) changes; 'version': without the value read; False: in the graph, every call
                        )->fx.GraphModule:
     "A new `GraphModule` returning `(primary, stats)`, with sketches of every matmul's lhs, rhs and out."
     sites = matmul_sites(gm)
@@ -282,6 +380,7 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
     new.meta.update(gm.meta)
     by_name = {n.name: n for n in graph.nodes}
     taps, stat_nodes, rows = {}, {}, []
+    wc = _static_state(new, gm, bins, cache_weights) if cache_weights else None
     for s in sites:
         node = by_name[s.node.name]
         roles = dict(lhs=s.lhs, rhs=s.rhs, out=s.node)
@@ -292,7 +391,9 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
             key = x if isinstance(x, str) else x.name
             static = _is_static(gm, x) and cache_weights
             if key not in taps:
-                try: taps[key] = _tap(graph, x if isinstance(x, str) else by_name[x.name], bins, static)
+                try:
+                    cached = _cache_weight(new, wc, x if isinstance(x, str) else x.target) if static else None
+                    taps[key] = _tap(graph, x if isinstance(x, str) else by_name[x.name], bins, cached)
                 except Exception as e:
                     raise RuntimeError(f"cannot tap {role} of site {s.name} ({s.node.format_node()}): {e}") from e
             for st, n in taps[key].items(): stat_nodes[f'{s.name}/{role}/{st}'] = n
@@ -304,7 +405,21 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
     new.recompile()
     new.manifest = _merge_manifest(gm, rows)
     new.meta['opscope_bins'] = bins
+    if wc is not None: refresh_static(new)
+    _install_refresh(new)
     return new
+
+# %% ../nbs/01_inject.ipynb #c0mp1n02
+def compile_injected(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass over it)
+                     **kwargs, # passed to `torch.compile`
+                    ):
+    "`torch.compile(gm)`, with the weight sketches refreshed outside the compiled region before each call."
+    compiled = torch.compile(gm, **kwargs)
+    def run(*args, **kw):
+        refresh_static(gm)
+        return compiled(*args, **kw)
+    run.compiled, run.module = compiled, gm
+    return run
 
 # %% ../nbs/01_inject.ipynb #692f085b
 def _same(a, b, tol=None):
@@ -358,7 +473,7 @@ def attn_sketch(p:torch.Tensor, # softmax probabilities
                 dim:int=-1, # the dim the softmax normalized over (the keys)
                )->tuple:
     "Attention statistics of probabilities `p`: a tuple in the order of `ATTN_STATS`."
-    p = _bhqk(p, dim)
+    p = _bhqk(p.detach(), dim)
     B, H, Tq, Tk = p.shape
     nan_rows = torch.isnan(p.sum(-1))
     p = torch.nan_to_num(p, nan=0.0)
@@ -381,7 +496,7 @@ def gate_sketch(topk_out, # the (values, indices) a top-k returns
                 dim:int=-1, # the top-k's dim
                )->tuple:
     "Routing statistics of a top-k: a tuple in the order of `GATE_STATS`."
-    vals, idx = topk_out[0], topk_out[1]
+    vals, idx = topk_out[0].detach(), topk_out[1]
     E = scores.shape[dim]
     vals, idx = vals.movedim(dim, -1), idx.movedim(dim, -1)
     v = vals.float() if vals.dtype != torch.float64 else vals
@@ -560,75 +675,5 @@ def inject_infer_stats(gm:fx.GraphModule, # from `trace` (or already injected); 
     graph.lint()
     new.recompile()
     new.manifest = _merge_manifest(src, rows)
+    _install_refresh(new)
     return new
-
-# %% ../nbs/01_inject.ipynb #696cc1d8
-def _np_sketch(a, bins=64):
-    "The sketch set in numpy, on a host copy (what a hook-based recorder computes)."
-    a = np.asarray(a, dtype=np.float32).reshape(-1, a.shape[-1] if a.ndim else 1)
-    clean = np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
-    absmax = np.abs(clean).max() if clean.size else np.nan
-    re = np.linalg.norm(clean, axis=1)
-    cos = (clean[1:] * clean[:-1]).sum(1) / np.maximum(re[1:] * re[:-1], 1e-30)
-    return dict(numel=a.size, min=clean.min(), max=clean.max(), mean=clean.mean(), std=clean.std(), absmax=absmax,
-                rms=np.sqrt((clean ** 2).mean()), density=(clean != 0).mean(), nearzero=(np.abs(clean) <= NEARZERO_REL * absmax).mean(),
-                nan_count=np.isnan(a).sum(), inf_count=np.isinf(a).sum(), adj_cos=cos.mean() if len(cos) else np.nan,
-                chan_absmax=np.abs(clean).max(0), chan_density=(clean != 0).mean(0), row_energy=re,
-                hist=np.histogram(clean / (absmax + 1e-12), bins, (-1, 1))[0])
-
-def _hooks(model, fn):
-    "Register `fn(module, inputs, output)` on every nn.Linear; returns the handles."
-    return [m.register_forward_hook(fn) for m in model.modules() if isinstance(m, nn.Linear)]
-
-def _numpy_hook(store):
-    def hook(mod, inp, out):
-        for role, t in (('lhs', inp[0]), ('rhs', mod.weight), ('out', out)):
-            store.append(_np_sketch(t.detach().cpu().numpy()))
-    return hook
-
-def _ao_observers(model):
-    try: from torch.ao.quantization.observer import HistogramObserver, PerChannelMinMaxObserver
-    except ImportError: return None
-    obs = {}
-    def hook(mod, inp, out):
-        h, p = obs.setdefault(mod, (HistogramObserver(), PerChannelMinMaxObserver(ch_axis=-1)))
-        h(inp[0].detach()); p(inp[0].detach().reshape(-1, inp[0].shape[-1]))
-    return hook
-
-# %% ../nbs/01_inject.ipynb #f9bf5447
-def overhead_table(model:nn.Module, # the model to measure
-                   x:torch.Tensor, # one input batch
-                   repeats:int=7, # timed repeats per method (median reported)
-                   compile:bool=False, # also time torch.compile of the plain and the injected graph
-                  )->pd.DataFrame:
-    "Per method: taps covered, median ms per forward, and the ratio to the plain forward, measured in one run."
-    gm = trace(model, x)
-    inj, inj_nc = inject_matmul_stats(gm), inject_matmul_stats(gm, cache_weights=False)
-    n_taps = len(inj.manifest)
-    n_lin = 3 * sum(isinstance(m, nn.Linear) for m in model.modules())
-    store = []
-    def hooked(fn):
-        hs = _hooks(model, fn)
-        try: model(x)
-        finally:
-            for h in hs: h.remove()
-    methods = {'plain forward': (lambda: gm(x), 0), 'injected (eager)': (lambda: inj(x), n_taps),
-               'injected, weights re-sketched': (lambda: inj_nc(x), n_taps),
-               'hooks + numpy (nn.Linear only)': (lambda: (store.clear(), hooked(_numpy_hook(store))), n_lin)}
-    ao = _ao_observers(model)
-    if ao is not None: methods['torch.ao observers (Linear inputs)'] = (lambda: hooked(ao), n_lin // 3)
-    if compile:
-        import torch._dynamo as dynamo
-        dynamo.config.capture_dynamic_output_shape_ops = True
-        cp, ci = torch.compile(gm), torch.compile(inject_matmul_stats(gm, cache_weights=False))
-        methods['plain forward (compiled)'] = (lambda: cp(x), 0)
-        methods['injected (compiled)'] = (lambda: ci(x), n_taps)
-    times = {k: [] for k in methods}
-    with torch.no_grad():
-        for f, _ in methods.values(): f(); f()      # warm up (and compile)
-        for _ in range(repeats):
-            for k, (f, _) in methods.items():
-                t0 = time.perf_counter(); f(); times[k].append(time.perf_counter() - t0)
-    ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
-    base = ms['plain forward']
-    return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=round(v, 2), ratio=round(v / base, 2)) for k, v in ms.items()])

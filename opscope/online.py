@@ -4,11 +4,13 @@
 
 # %% ../nbs/08_online.ipynb #2fd83ef7
 from __future__ import annotations
-import functools, math, time
+import functools, math, queue, threading, time
 import numpy as np
 import pandas as pd
 import torch
 from fastcore.basics import patch
+from .inject import inject_matmul_stats, compile_injected
+from .recorder import SCHEMA, decode_stats
 
 # %% auto #0
 __all__ = ['splitmix64', 'Reservoir', 'TDigest', 'HyperLogLog', 'OnlineRecorder']
@@ -396,7 +398,7 @@ def from_arrays(cls:HyperLogLog, d:dict)->HyperLogLog:
 
 # %% ../nbs/08_online.ipynb #7eb97d81
 class OnlineRecorder:
-    "Run `gm` on most steps and its injected twin on a seeded 1-in-`every` sample, folding stats into bounded sketches."
+    "Run `gm` on most steps and its injected twin on a seeded 1-in-`every` sample, folding stats into bounded sketches off the critical path."
     def __init__(self, gm, # the un-injected graph (`opscope.inject.trace`)
                  injected=None, # its `inject_matmul_stats(gm)`; built here when None
                  every:int=10, # sample one step in `every` on average
@@ -408,17 +410,21 @@ class OnlineRecorder:
                  k:int=256, # of each Reservoir
                  buffer:int=8192, # values buffered per key before they are folded (amortizes per-call cost)
                  run_id:str='online', dist:str='', # tidy-row labels
+                 background:bool=True, # fold on a worker thread (False: inline, on the caller's thread)
+                 queue:int=8, # samples that may wait for the worker; when all are taken a sample is dropped and counted
+                 compile:bool=False, # run both graphs under `torch.compile`
                 ):
         if every < 1: raise ValueError(f"every must be >= 1, got {every}")
-        if injected is None:
-            from opscope.inject import inject_matmul_stats
-            injected = inject_matmul_stats(gm)
+        if queue < 1: raise ValueError(f"queue must be >= 1, got {queue}")
+        if injected is None: injected = inject_matmul_stats(gm)
         if not hasattr(injected, 'manifest'): raise TypeError("injected must come from opscope.inject.inject_matmul_stats (it has no .manifest)")
         self.gm, self.injected, self.every, self.seed = gm, injected, int(every), int(seed)
         self.vectors, self.roles, self.run_id, self.dist = tuple(vectors), tuple(roles), run_id, dist
         self.compression, self.p, self.k, self.buffer = compression, p, k, int(buffer)
         self.step, self.sampled_steps, self._sketches, self._buf, self._layout = 0, [], {}, {}, None
-        self._rows, self.backend = [], None
+        self._rows, self.backend, self.dropped, self.background, self.queue = [], None, 0, bool(background), int(queue)
+        self._run_plain, self._run_inj = (torch.compile(gm), compile_injected(injected)) if compile else (gm, injected)
+        self._free, self._q, self._worker, self._error = [], None, None, None
 
     def is_sampled(self, step:int)->bool:
         "Whether `step` runs the injected graph (a pure function of seed and step)."
@@ -426,14 +432,17 @@ class OnlineRecorder:
 
     @property
     def sketches(self)->dict:
-        "`{'site/role/stat': {'tdigest':…, 'hll':…, 'reservoir':…}}`, with buffered values folded in first."
+        "`{'site/role/stat': {'tdigest':…, 'hll':…, 'reservoir':…}}`, with queued and buffered values folded in first."
+        self.flush()
         for key in list(self._buf): _flush(self, key)
         return self._sketches
+
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
 
 # %% ../nbs/08_online.ipynb #352eb032
 def _layout(rec:OnlineRecorder, stats:dict):
     "What to pull from a step and how to label it: the scalar rows as `recorder.decode_stats` writes them, and the sketched keys."
-    from opscope.recorder import decode_stats
     man = rec.injected.manifest.drop_duplicates(['site', 'role']).set_index(['site', 'role'])
     shapes = {k: tuple(t.shape) for k, t in stats.items()}
     scalars = [k for k, t in stats.items() if t.dim() == 0]
@@ -448,15 +457,19 @@ def _layout(rec:OnlineRecorder, stats:dict):
     bounds = np.cumsum([len(scalars)] + [stats[k].numel() for k in vectors])
     return dict(shapes=shapes, scalars=scalars, vectors=vectors, template=template, exact=exact, bounds=bounds)
 
-def _fold(rec:OnlineRecorder, stats:dict):
-    "One device→host copy of the step's scalars and sketched vectors; scalars kept for rows, vectors buffered for the sketches."
+def _pack(rec:OnlineRecorder, stats:dict)->torch.Tensor:
+    "The step's kept stats as one flat float32 tensor on their device (no host transfer)."
     L = rec._layout
-    if L is None or L['shapes'] != {k: tuple(t.shape) for k, t in stats.items()}: L = rec._layout = _layout(rec, stats)
-    flat = torch.cat([torch.stack([stats[k] for k in L['scalars']]).float()] +
-                     [stats[k].reshape(-1).float() for k in L['vectors']]).cpu().numpy()
+    if L is None or L['shapes'] != {k: tuple(t.shape) for k, t in stats.items()}:
+        rec.flush()                       # samples already queued were packed with the old layout
+        L = rec._layout = _layout(rec, stats)
+    return torch.cat([torch.stack([stats[k] for k in L['scalars']]).float()] + [stats[k].reshape(-1).float() for k in L['vectors']])
+
+def _fold_host(rec:OnlineRecorder, L:dict, step:int, flat:np.ndarray):
+    "Fold one sample (host values): scalars kept for rows, vectors buffered for the sketches."
     vals = flat[:len(L['scalars'])].astype(np.float64)
     vals[L['exact']] = L['template'].value.to_numpy()[L['exact']]
-    rec._rows.append((L['template'], rec.step, vals))
+    rec._rows.append((L['template'], step, vals))
     for i, key in enumerate(L['vectors']):
         if key not in rec._sketches:
             rec._sketches[key] = dict(tdigest=TDigest(rec.compression), hll=HyperLogLog(rec.p, rec.seed),
@@ -469,25 +482,98 @@ def _flush(rec:OnlineRecorder, key:str):
     v = np.concatenate(rec._buf.pop(key))
     for sk in rec._sketches[key].values(): sk.update(v)
 
+# %% ../nbs/08_online.ipynb #b7c1e0a2
+def _host_buffer(rec:OnlineRecorder, like:torch.Tensor):
+    "A free host buffer shaped like `like`, or None when all `queue` + 1 are taken (the caller drops the sample)."
+    while rec._free:
+        b = rec._free.pop()
+        if b.shape == like.shape: return b
+    if rec._nbuf >= rec.queue + 1: return None
+    rec._nbuf += 1
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type == 'cuda')
+
+def _work(rec:OnlineRecorder):
+    "The worker: fold queued samples in order until the sentinel; an error is kept for `flush` to raise."
+    while True:
+        item = rec._q.get()
+        try:
+            if item is None: return
+            buf, event, step, L = item
+            if event is not None: event.synchronize()
+            flat = buf.numpy().copy()
+            rec._free.append(buf)
+            if rec._error is None: _fold_host(rec, L, step, flat)
+        except Exception as e: rec._error = e
+        finally: rec._q.task_done()
+
+def _start(rec:OnlineRecorder):
+    rec._q, rec._nbuf = queue.Queue(maxsize=rec.queue), 0
+    rec._worker = threading.Thread(target=_work, args=(rec,), daemon=True, name='opscope-online')
+    rec._worker.start()
+
+def _handoff(rec:OnlineRecorder, flat:torch.Tensor, step:int):
+    "Queue one sample for the worker without waiting; drop and count it when no buffer is free."
+    if rec._worker is None: _start(rec)
+    buf = _host_buffer(rec, flat)
+    if buf is None or rec._q.full():
+        if buf is not None: rec._free.append(buf)
+        rec.dropped += 1
+        return False
+    buf.copy_(flat, non_blocking=True)
+    event = None
+    if flat.device.type == 'cuda':
+        event = torch.cuda.Event(); event.record()
+    rec._q.put_nowait((buf, event, step, rec._layout))
+    return True
+
 # %% ../nbs/08_online.ipynb #e01eb668
 @patch
 @torch.no_grad()
 def __call__(self:OnlineRecorder, *inputs):
-    "Run one step: the injected graph on sampled steps (folding its stats), the plain graph otherwise."
-    if self.is_sampled(self.step):
-        out, stats = self.injected(*inputs)
-        if self.backend is None: self.backend = next((x.device.type for x in inputs if isinstance(x, torch.Tensor)), 'cpu')
-        _fold(self, stats)
-        self.sampled_steps.append(self.step)
-    else: out = self.gm(*inputs)
+    "Run one step: the injected graph on sampled steps (handing its stats to the worker), the plain graph otherwise."
+    if not self.is_sampled(self.step):
+        out = self._run_plain(*inputs)
+        self.step += 1
+        return out
+    out, stats = self._run_inj(*inputs)
+    if self.backend is None: self.backend = next((x.device.type for x in inputs if isinstance(x, torch.Tensor)), 'cpu')
+    flat = _pack(self, stats)
+    if self.background: kept = _handoff(self, flat, self.step)
+    else:
+        _fold_host(self, self._layout, self.step, flat.cpu().numpy())
+        kept = True
+    if kept: self.sampled_steps.append(self.step)
     self.step += 1
     return out
+
+@patch
+def flush(self:OnlineRecorder):
+    "Wait until the worker has folded every queued sample; re-raise an error it met."
+    if self._q is not None: self._q.join()
+    if self._error is not None: raise RuntimeError(f"the online recorder's worker failed: {self._error}") from self._error
+
+@patch
+def close(self:OnlineRecorder):
+    "Drain the queue and stop the worker (a later sampled step starts a new one)."
+    if self._worker is not None:
+        self._q.join(); self._q.put(None); self._worker.join()
+        self._worker = None
+    self.flush()
+
+@patch
+def held_bytes(self:OnlineRecorder)->dict:
+    "Memory the recorder holds: host buffers, sketches, values buffered for them, and the tidy rows kept."
+    self.flush()
+    bufs = sum(b.numel() * b.element_size() for b in self._free)
+    pending = sum(v.nbytes for vs in self._buf.values() for v in vs)
+    sk = sum(s.to_arrays()[f].nbytes for d in self._sketches.values() for s in d.values() for f in s.to_arrays())
+    return dict(host_buffers=bufs, sketches=sk, pending=pending, rows=sum(v.nbytes for _, _, v in self._rows))
 
 # %% ../nbs/08_online.ipynb #9bf5e637
 @patch
 def rows(self:OnlineRecorder, clear:bool=False)->pd.DataFrame:
     "The per-step scalar stats of the sampled steps as tidy rows (`recorder.SCHEMA`), optionally clearing the buffer."
-    from opscope.recorder import SCHEMA
+    self.flush()
     if not self._rows: return pd.DataFrame({c: [] for c in SCHEMA})
     df = pd.concat([t.assign(step=step, value=v) for t, step, v in self._rows], ignore_index=True)
     if clear: self._rows = []

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
-from .inject import trace, inject_matmul_stats, inject_infer_stats, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS
+from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS
 
 # %% auto #0
 __all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'SWEEP_SHAPES', 'decode_stats', 'Recorder',
@@ -282,6 +282,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
            progress:bool=False, # show a progress bar
            taps=TAP_KINDS, # kinds of site to tap: some of 'matmul', 'softmax', 'topk'
            step_ids=None, # the step index of each batch (default 0, 1, 2, ...); a shard of a distributed run passes its global batch indices
+           compile:bool=False, # run the injected graph under `torch.compile` (the gated steps run it eagerly)
           )->pd.DataFrame:
     "Record the sketches of every matmul, softmax and top-k of `model` over `batches`; returns the tidy rows (also written to `sink`)."
     it = iter(batches)
@@ -290,6 +291,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
     args, kwargs = _call_args(first)
     gm = trace(model, *args, **kwargs)
     inj = _inject(gm, taps, bins)
+    run = compile_injected(inj) if compile else inj
     own = not isinstance(sink, Recorder) and sink is not None
     rec = Recorder(sink) if own else sink
     frames, steps = [], chain([first], it)
@@ -304,7 +306,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
             args, kwargs = _call_args(batch)
             with torch.no_grad():
                 if i == 0 or gate_every: _, stats = gate(gm, inj, *args, **kwargs)
-                else: _, stats = inj(*args, **kwargs)
+                else: _, stats = run(*args, **kwargs)
             df = decode_stats(stats, run_id=run_id, step=int(step), backend=_device(args, kwargs), dist=dist)
             if rec is not None: rec.write(df)
             frames.append(df)

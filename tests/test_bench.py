@@ -1,0 +1,133 @@
+"The production recorder's hand-off, the compiled path, and the benchmark functions (correctness only: no wall-clock thresholds)."
+import threading
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+import opscope.online as online
+import opscope.recorder as recorder
+from opscope.bench import (bench_model, hist_sample_error, overhead_table, online_table, like_for_like, sketch_profile,
+                           miner_throughput, bench_report, goal_table, save_report, load_report, GOALS)
+from opscope.inject import trace, inject_matmul_stats, compile_injected, STATS
+from opscope.online import OnlineRecorder
+from opscope.zoo import mlp, transformer, make_tensor
+
+
+def _stream(n, seed=40):
+    m = mlp(layers=2, d_in=32, hidden=48, d_out=16, seed=seed)
+    return m, [make_tensor('gaussian', (12, 32), seed=seed + s) for s in range(n)]
+
+
+# --- OnlineRecorder: background hand-off ----------------------------------------------------------------------
+
+def test_background_sketches_equal_the_synchronous_fold():
+    m, xs = _stream(50)
+    gm = trace(m, xs[0]); inj = inject_matmul_stats(gm)
+    sync = OnlineRecorder(gm, inj, every=3, seed=41, background=False, buffer=100)
+    bg = OnlineRecorder(gm, inj, every=3, seed=41, background=True, buffer=100, queue=64)
+    with bg:
+        for x in xs:
+            torch.testing.assert_close(sync(x), gm(x)); bg(x)
+    assert bg.dropped == 0 and bg.sampled_steps == sync.sampled_steps and len(sync.sampled_steps) > 5
+    a, b = sync.to_arrays(), bg.to_arrays()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    pd.testing.assert_frame_equal(sync.rows(), bg.rows())
+    held = bg.held_bytes()
+    assert held['host_buffers'] > 0 and held['sketches'] > 0
+
+
+def test_flooded_queue_drops_and_counts_without_blocking(monkeypatch):
+    m, xs = _stream(20, seed=42)
+    gm = trace(m, xs[0])
+    release, fold = threading.Event(), online._fold_host
+    def stuck(*a, **k):
+        release.wait(60); return fold(*a, **k)
+    monkeypatch.setattr(online, '_fold_host', stuck)
+    rec = OnlineRecorder(gm, every=1, seed=0, queue=2)
+    for x in xs: rec(x)                          # returns while the worker is stuck: the model never waits
+    assert not release.is_set()
+    kept = len(rec.sampled_steps)
+    assert kept == 3 and rec.dropped == len(xs) - kept     # one being folded + `queue` waiting; the rest dropped
+    release.set(); rec.close()
+    assert sorted(rec.rows().step.unique()) == rec.sampled_steps
+    assert rec._nbuf == 3                        # bounded: no buffer beyond queue + 1 was ever made
+
+
+def test_worker_error_is_raised_at_flush(monkeypatch):
+    m, xs = _stream(3, seed=43)
+    gm = trace(m, xs[0])
+    monkeypatch.setattr(online, '_fold_host', lambda *a, **k: 1 / 0)
+    rec = OnlineRecorder(gm, every=1)
+    rec(xs[0])
+    with pytest.raises(RuntimeError, match="worker failed"): rec.flush()
+
+
+def test_queue_must_be_positive():
+    m, xs = _stream(1)
+    with pytest.raises(ValueError, match='queue must be >= 1'): OnlineRecorder(trace(m, xs[0]), queue=0)
+
+
+# --- the compiled path -----------------------------------------------------------------------------------------
+
+def test_compiled_injected_equals_eager_and_plain():
+    m = transformer(layers=1, d=32, heads=2, seed=44)
+    x = make_tensor('heavytail', (2, 8, 32), seed=45)
+    x[0, 0, 0] = float('nan')
+    gm = trace(m, x); inj = inject_matmul_stats(gm)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(inj)(x).graph_break_count == 0
+    ci = compile_injected(inj)
+    with torch.no_grad():
+        yc, sc = ci(x); ye, se = inj(x); yp = gm(x)
+    torch.testing.assert_close(yc, yp, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert sc.keys() == se.keys()
+    for k in se:
+        torch.testing.assert_close(sc[k], se[k], rtol=1e-4, atol=1e-5, equal_nan=True, msg=k)
+    assert sc['layers.0.attn.q/lhs/nan_count'].item() > 0 and sc['layers.0.attn.q/lhs/inf_count'].item() == 0
+    with torch.no_grad(): m.layers[0].ffn.up.weight.data.mul_(3)     # the weight cache is refreshed outside the compiled graph
+    _, sc2 = ci(x)
+    torch.testing.assert_close(sc2['layers.0.ffn.up/rhs/absmax'], m.layers[0].ffn.up.weight.abs().max())
+
+
+def test_record_compile_runs_the_compiled_graph(monkeypatch):
+    calls = []
+    def fake_compile(f, **kw):
+        calls.append(f); return f
+    monkeypatch.setattr(torch, 'compile', fake_compile)
+    m, xs = _stream(3, seed=46)
+    df = recorder.record(m, xs, compile=True)
+    assert len(calls) == 1 and hasattr(calls[0], 'manifest') and df.step.nunique() == 3   # via compile_injected
+    rec = OnlineRecorder(trace(m, xs[0]), every=1, compile=True)
+    assert len(calls) == 3 and rec(xs[0]) is not None
+
+
+# --- the benchmark functions return their tables ---------------------------------------------------------------
+
+def test_benchmark_tables():
+    m, x = bench_model(1, 32, 8, 2, seed=47)
+    tab = overhead_table(m, x, repeats=2)
+    assert {'method', 'taps', 'ms', 'ms_median', 'ratio'} <= set(tab.columns) and tab.ratio[0] == 1.0
+    ll = like_for_like(tab)
+    assert ll['hook_taps'] < ll['injected_taps'] and ll['hooks_vs_injected'] > 0
+    ot = online_table(m, x, every=(2,), steps=8)
+    assert ot.every.tolist() == [2] and ot.dropped[0] == 0 and ot.held_kib[0] > 0
+    assert list(sketch_profile(m, x, calls=1, top=5).columns) == ['op', 'ms', 'calls', 'share']
+    assert (hist_sample_error((64, 64)).tv_distance >= 0).all()
+    mt = miner_throughput(3000)
+    assert mt.engine.tolist() == ['pandas', 'duckdb'] and (mt.rows >= 3000).all() and (mt.findings > 0).all()
+
+
+def test_report_goals_and_cli_round_trip(tmp_path, cli):
+    rep = bench_report(full=False, miner_rows=2000, repeats=2, compile=False)
+    gt = goal_table(rep)
+    assert len(gt) == len(GOALS) and gt.met.notna().sum() == 3    # the compiled goals need compile=True
+    save_report(rep, tmp_path / 'r.csv')
+    back = load_report(tmp_path / 'r.csv')
+    assert set(back) == set(rep)
+    r = cli('opscope-bench', '--miner_rows', '2000', '--out', str(tmp_path / 'b.csv'))
+    assert r.returncode == 0, r.stderr[-800:]
+    assert 'goal' in r.stdout and (tmp_path / 'b.csv').exists()
+    r = cli('opscope-bench', '--out', str(tmp_path / 'b.txt'))
+    assert r.returncode == 2 and 'must be a .csv' in r.stderr
