@@ -156,6 +156,22 @@ def _is_grouped(node):
     t = node.target
     return node.op == 'call_function' and (t in GROUPED_FNS or isinstance(t, torch._ops.OpOverload) and t._schema.name in GROUPED_OPS)
 
+def _gathered(gm, node):
+    "The parameter path if `node` gathers rows of a stacked 3-D parameter by one index tensor (`w[expert_ids]`), else None."
+    if not (isinstance(node, fx.Node) and node.op == 'call_function' and node.target in (_aten.index.Tensor, operator.getitem)): return None
+    src, idx = node.args[0], node.args[1]
+    idx = idx[0] if isinstance(idx, (list, tuple)) and len(idx) == 1 else idx
+    if not (isinstance(src, fx.Node) and src.op == 'get_attr' and isinstance(idx, fx.Node)): return None
+    w = _get_attr(gm, src.target)
+    return (src.target, idx, tuple(w.shape)) if isinstance(w, torch.Tensor) and w.dim() == 3 else None
+
+def _batched_experts(gm, node, op, a, b):
+    "A `bmm` of gathered expert weights (transformers' `batched_mm` experts): (op, lhs, rhs, 'gathered', extra), else None."
+    for w, x, out_in in ((a, b, True), (b, a, False)):   # W[ids] @ x[..., None]  or  x[:, None] @ W[ids]
+        g = _gathered(gm, w)
+        if g is not None: return op, x, g[0], 'gathered', dict(ids=g[1], weight_shape=g[2], stored_out_in=out_in)
+    return None
+
 def _classify(gm, node):
     "(op, lhs, rhs, kind, extra) if `node` is a matmul, a convolution or a grouped matmul, else None."
     if node.op == 'call_module' and isinstance(gm.get_submodule(node.target), nn.Linear):
@@ -168,6 +184,7 @@ def _classify(gm, node):
     elif node.op == 'call_method': spec = MATMUL_METHODS.get(node.target)
     if spec is None: return None
     op, il, ir = spec
+    if op == 'bmm' and (be := _batched_experts(gm, node, op, node.args[il], node.args[ir])) is not None: return be
     if op == 'einsum':
         ops = _einsum_operands(node)
         return None if ops is None else (op, ops[0], ops[1], 'matmul', {})
@@ -191,12 +208,12 @@ def expert_site(name:str, # the grouped matmul's site name
 
 def _expert_sites(name, op, node, lhs, rhs, extra):
     "One `Site` per expert of a grouped matmul (the expert count from the weight's shape)."
-    ws = _meta_shape(rhs)
+    ws = extra.get('weight_shape') or _meta_shape(rhs)
     if ws is None or ws[0] is None: raise ValueError(f"cannot tell how many experts {node.format_node()} has: no shape on its weight")
     return [Site(expert_site(name, e), op, node, lhs, rhs, 'expert', dict(extra, expert=e, experts=ws[0])) for e in range(ws[0])]
 
 def site_names(gm:fx.GraphModule)->dict:
-    "{node name: site name} for every GEMM-like node of `gm` (a grouped matmul's name is its experts' prefix)."
+    "{node name: site name} for every GEMM-like node of `gm` (a grouped or gathered-expert matmul's name is its experts' prefix)."
     names, seen = {}, {}
     for node in gm.graph.nodes:
         c = _classify(gm, node)
@@ -212,7 +229,7 @@ def matmul_sites(gm:fx.GraphModule)->list[Site]:
     for node in gm.graph.nodes:
         if node.name not in names: continue
         op, lhs, rhs, kind, extra = _classify(gm, node)
-        if kind == 'grouped': sites += _expert_sites(names[node.name], op, node, lhs, rhs, extra)
+        if kind in ('grouped', 'gathered'): sites += _expert_sites(names[node.name], op, node, lhs, rhs, extra)
         else: sites.append(Site(names[node.name], op, node, lhs, rhs, kind, extra))
     return sites
 
@@ -420,7 +437,7 @@ def _set_outputs(gm, out_node, primary, stat_nodes):
         spec = cg.pytree_info.out_spec
         prim_spec, have = spec, {}
         if done:
-            prim_spec, stat_spec = spec.children_specs
+            prim_spec, stat_spec = spec.children()
             have = dict(zip(stat_spec.context, leaves[prim_spec.num_leaves:]))
             leaves = leaves[:prim_spec.num_leaves]
         stats = {**have, **stat_nodes}
@@ -503,6 +520,14 @@ def _group_rows(offs, e, x):
     lo = offs[e - 1] if e > 0 else offs.new_zeros(())
     return (i >= lo) & (i < offs[e])
 
+def _id_rows(ids, e):
+    "Bool per row: the rows routed to expert `e` (`ids` holds one expert id per row)."
+    return ids.reshape(-1) == e
+
+def _flat_rows(x):
+    "One row per gathered (token, expert) pair: (S, 1, K) or (S, K, 1) as (S, K)."
+    return x.reshape(x.shape[0], -1)
+
 def _param_path(gm, node):
     "(path, transposed) if `node` is a parameter, or its last-two-dims transpose, else None."
     t = False
@@ -552,10 +577,20 @@ def _expert_roles(new, graph, gm, s, by_name):
     return dict(lhs=(f'{x.name}:rows{e}', x, keep, (None, ws and ws[1])), rhs=(wkey, w, None, ws and (ws[2], ws[1])),
                 out=(f'{node.name}:rows{e}', node, keep, (None, ws and ws[2])))
 
+def _gathered_roles(new, graph, gm, s, by_name):
+    e, node, ws, out_in = s.extra['expert'], by_name[s.node.name], s.extra['weight_shape'], s.extra['stored_out_in']
+    with graph.inserting_after(node): keep = graph.call_function(_id_rows, (by_name[s.extra['ids'].name], e))
+    x = _after(graph, by_name[s.lhs.name], _flat_rows)
+    y = _after(graph, node, _flat_rows)
+    w = _view_buffer(new, gm.get_parameter(s.rhs), _expert_weight, e, out_in)
+    N, K = ws[1:] if out_in else ws[:0:-1]
+    return dict(lhs=(f'{s.lhs.name}:ids{e}', x, keep, (None, K)), rhs=(f'{s.rhs}[{e}]', w, None, (N, K)),
+                out=(f'{node.name}:ids{e}', y, keep, (None, N)))
+
 def _roles(new, graph, gm, s, by_name):
     "role -> (tap key, node or buffer path to sketch, rows to keep (a node) or None, shape of the sketched tensor)."
     if s.kind == 'conv': return _conv_roles(new, graph, gm, s, by_name)
-    if s.kind == 'expert': return _expert_roles(new, graph, gm, s, by_name)
+    if s.kind == 'expert': return (_gathered_roles if 'ids' in s.extra else _expert_roles)(new, graph, gm, s, by_name)
     shape = lambda x: (tuple(_get_attr(gm, x if isinstance(x, str) else x.target).shape)
                        if isinstance(x, str) or x.op == 'get_attr' else _meta_shape(x))
     get = lambda x: x if isinstance(x, str) else by_name[x.name]
@@ -665,14 +700,18 @@ def _diag_distance(Tq, Tk, device):
 # %% ../nbs/01_inject.ipynb #cb21aa73
 def attn_sketch(p:torch.Tensor, # softmax probabilities
                 dim:int=-1, # the dim the softmax normalized over (the keys)
+                queries:torch.Tensor=None, # optional (batch, queries) mask, 0 at padded query rows (an `attention_mask`)
                )->tuple:
     "Attention statistics of probabilities `p`: a tuple in the order of `ATTN_STATS`."
     p = _bhqk(p, dim)
     B, H, Tq, Tk = p.shape
     nan_rows = torch.isnan(p.sum(-1))
     p = torch.nan_to_num(p, nan=0.0)
+    if queries is not None and tuple(queries.shape) == (B, Tq): p = p * queries.reshape(B, 1, Tq, 1).to(p.dtype)
     live = torch.sign(p)                                       # 1 where the key is visible to the row
     n_live = live.sum(-1, keepdim=True)
+    row = (n_live > 0).to(p.dtype)                             # rows that see a key: padded / fully masked rows do not count
+    n_rows = row.sum().clamp_min(1)
     uniform = live / n_live.clamp_min(1)
     q_peak = p.amax(-1).reshape(-1)
     entropy = torch.special.entr(p).sum(-1)
@@ -681,7 +720,7 @@ def attn_sketch(p:torch.Tensor, # softmax probabilities
     diag_mass = p.new_zeros(Tk).index_add_(0, dist, p.sum((0, 1)).reshape(-1))
     diag_uniform = p.new_zeros(Tk).index_add_(0, dist, uniform.sum((0, 1)).reshape(-1))
     numel = torch.full((), B * H * Tq * Tk, dtype=p.dtype, device=p.device)
-    return (numel, q_peak.mean(), entropy.mean(), torch.log(n_live.clamp_min(1)).mean(), nan_rows.sum().to(p.dtype),
+    return (numel, q_peak.sum() / n_rows, entropy.sum() / n_rows, torch.log(n_live.clamp_min(1)).sum() / n_rows, nan_rows.sum().to(p.dtype),
             q_peak, head_mass.sum(0), uniform.sum((0, 1, 2)), live.sum((0, 1, 2)), head_mass.reshape(-1), diag_mass, diag_uniform)
 
 # %% ../nbs/01_inject.ipynb #a221934c

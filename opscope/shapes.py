@@ -204,7 +204,8 @@ def coverage(model:nn.Module, # an `nn.Module`, or a `GraphModule` from `trace`
     "One row per GEMM-like op of the traced graph: `site` (inject's name), `op`, `flops` (from `op_costs`) and whether it is `tapped`."
     gm = model if isinstance(model, torch.fx.GraphModule) else trace(model, *inputs, **kwargs)
     gm = decompose_attention(gm)   # what inject_matmul_stats taps
-    tapped = {s.name for s in matmul_sites(gm)}
+    sites = matmul_sites(gm)
+    tapped = {s.name for s in sites} | {s.name.rsplit('.expert', 1)[0] for s in sites if s.kind == 'expert'}  # a bmm of gathered experts
     c = op_costs(gm, *inputs, **kwargs)
     g = c[c.kind.isin(GEMM_KINDS)]
     return pd.DataFrame({'site': g.site, 'op': g.op, 'flops': g.flops, 'tapped': g.site.isin(tapped)}).reset_index(drop=True)

@@ -135,9 +135,9 @@ def _tiny_moe(kind, impl='grouped_mm', seed=26):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, experts_implementation=impl).eval()
 
-@pytest.mark.parametrize('kind', ['mixtral', 'qwen2_moe'])
-def test_hf_moe_experts_tapped_stationary_and_routed(kind):
-    m = _tiny_moe(kind)
+@pytest.mark.parametrize('kind,impl', [('mixtral', 'grouped_mm'), ('qwen2_moe', 'grouped_mm'), ('mixtral', 'batched_mm')])
+def test_hf_moe_experts_tapped_stationary_and_routed(kind, impl):
+    m = _tiny_moe(kind, impl)
     g = torch.Generator().manual_seed(27)
     ids, ids2 = (torch.randint(0, 96, (2, 7), generator=g) for _ in range(2))
     cov = coverage(m, ids, use_cache=False)
