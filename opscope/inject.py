@@ -20,8 +20,8 @@ __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 
            'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'INFER_KINDS', 'ATTN_STATS',
            'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name',
            'expert_site', 'site_names', 'matmul_sites', 'sketch', 'hist_sample_error', 'sketch_static',
-           'decompose_attention', 'sketch_rows', 'inject_matmul_stats', 'gate', 'attn_sketch', 'gate_sketch',
-           'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats', 'overhead_table']
+           'decompose_attention', 'sketch_groups', 'sketch_rows', 'inject_matmul_stats', 'gate', 'attn_sketch',
+           'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats', 'overhead_table']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -471,33 +471,53 @@ def _is_static(gm, x):
     return isinstance(x, fx.Node) and x.op == 'get_attr'
 
 # %% ../nbs/01_inject.ipynb #768df1ee
-def sketch_rows(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
-                keep:torch.Tensor, # bool, one per row: the rows that belong to the site (an expert's tokens)
-                bins:int=64, # histogram bins over [-1, 1] of x / absmax
-               )->tuple:
-    "The sketch (order of `STATS`) of the rows of `x` where `keep` is true, at a fixed shape and with no host sync: other rows count nowhere and their `row_energy` is NaN."
+def sketch_groups(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
+                  group:torch.Tensor, # int, one per row: its group in [0, groups); any other value drops the row
+                  groups:int, # how many groups (experts)
+                  bins:int=64, # histogram bins over [-1, 1] of x / the group's absmax
+                 )->tuple:
+    "The sketch of each group's rows (order of `STATS`, each stat with a leading `groups` dim), in one pass over `x`, at a fixed shape and with no host sync."
     x2, T = _as_rows(x)
     R, C = x2.shape
-    k = keep.reshape(R, 1)
-    clean = torch.where(torch.isfinite(x2) & k, x2, 0.0)
-    rows = k.sum().to(x2.dtype); n = rows * C           # 0 rows: every ratio below is 0/0 = NaN, as for an empty tensor
-    nan, inf = (torch.isnan(x2) & k).sum().to(x2.dtype), (torch.isinf(x2) & k).sum().to(x2.dtype)
-    cmax = torch.where(k, clean, float('-inf')).amax(0).nan_to_num(neginf=float('nan'))
-    cmin = torch.where(k, clean, float('inf')).amin(0).nan_to_num(posinf=float('nan'))
+    G, dt = groups, x2.dtype
+    g = group.reshape(-1).long()
+    g = torch.where((g >= 0) & (g < G), g, G)                      # dropped rows go to a spare group G
+    fin = torch.isfinite(x2)
+    clean = torch.where(fin, x2, 0.0)
+    per = lambda v: x2.new_zeros((G + 1, *v.shape[1:])).index_add_(0, g, v)[:G]      # sum of per-row values by group
+    rows = per(torch.ones(R, dtype=dt, device=x2.device)); n = rows * C                # 0 rows: 0/0 = NaN below
+    nan, inf = per(torch.isnan(x2).sum(-1).to(dt)), per(torch.isinf(x2).sum(-1).to(dt))
+    gc = g.unsqueeze(-1).expand(R, C)
+    ext = lambda fill, how: x2.new_full((G + 1, C), fill).scatter_reduce_(0, gc, clean, how, include_self=False)[:G]
+    cmax, cmin = ext(float('-inf'), 'amax'), ext(float('inf'), 'amin')
+    empty = (rows == 0).unsqueeze(-1)
+    cmax, cmin = cmax.masked_fill(empty, float('nan')), cmin.masked_fill(empty, float('nan'))
     chan_absmax = torch.maximum(cmax, -cmin)
-    absmax = chan_absmax.max()
-    chan_density = (clean != 0).sum(0).to(x2.dtype) / rows
+    absmax = chan_absmax.amax(-1)
+    chan_density = per((clean != 0).to(dt)) / rows.unsqueeze(-1)
     energy = torch.linalg.vector_norm(clean, dim=-1)
-    mean, ms = clean.sum() / n, clean.square().sum() / n
+    mean, ms = per(clean.sum(-1)) / n, per(energy.square()) / n
     std = (ms - mean * mean).clamp_min(0).sqrt()
-    r3, e, kk = clean.reshape(-1, T, C), energy.reshape(-1, T), keep.reshape(-1, T)
-    pair = (kk[:, 1:] & kk[:, :-1]).to(x2.dtype)
-    cos = (r3[:, 1:] * r3[:, :-1]).sum(-1) / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)
-    b = ((clean / (absmax.nan_to_num(0.0) + 1e-12) + 1) * (bins / 2)).floor().clamp(0, bins - 1).long().reshape(-1)
-    hist = x2.new_zeros(bins).index_add_(0, b, k.expand(R, C).reshape(-1).to(x2.dtype))
-    nearzero = ((clean.abs() <= NEARZERO_REL * absmax) & k).sum() / n
-    return (n, cmin.min(), cmax.max(), mean, std, absmax, ms.sqrt(), chan_density.mean(), nearzero, nan, inf,
-            (cos * pair).sum() / pair.sum(), chan_absmax, chan_density, torch.where(keep.reshape(-1), energy, float('nan')), hist)
+    r3, e3, g3 = clean.reshape(-1, T, C), energy.reshape(-1, T), g.reshape(-1, T)
+    cos = ((r3[:, 1:] * r3[:, :-1]).sum(-1) / (e3[:, 1:] * e3[:, :-1]).clamp_min(1e-30)).reshape(-1)
+    same = (g3[:, 1:] == g3[:, :-1]).reshape(-1)
+    gp = torch.where(same, g3[:, 1:].reshape(-1), G)
+    pairs = x2.new_zeros(G + 1).index_add_(0, gp, torch.ones_like(cos))[:G]
+    adj_cos = x2.new_zeros(G + 1).index_add_(0, gp, cos)[:G] / pairs
+    amax_row = torch.cat([absmax.nan_to_num(0.0), absmax.new_zeros(1)])[g].unsqueeze(-1)     # each row's group absmax
+    b = ((clean / (amax_row + 1e-12) + 1) * (bins / 2)).floor().clamp(0, bins - 1).long() + g.unsqueeze(-1) * bins
+    hist = x2.new_zeros((G + 1) * bins).index_add_(0, b.reshape(-1), torch.ones_like(clean).reshape(-1)).reshape(G + 1, bins)[:G]
+    nearzero = per((clean.abs() <= NEARZERO_REL * amax_row).sum(-1).to(dt)) / n
+    row_energy = torch.where(g.unsqueeze(0) == torch.arange(G, device=g.device).unsqueeze(1), energy, float('nan'))
+    return (n, cmin.amin(-1), cmax.amax(-1), mean, std, absmax, ms.sqrt(), chan_density.mean(-1), nearzero, nan, inf,
+            adj_cos, chan_absmax, chan_density, row_energy, hist)
+
+def sketch_rows(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
+                keep:torch.Tensor, # bool, one per row: the rows that belong to the site
+                bins:int=64, # histogram bins over [-1, 1] of x / absmax
+               )->tuple:
+    "The sketch (order of `STATS`) of the rows of `x` where `keep` is true: `sketch_groups` with one group."
+    return tuple(t[0] for t in sketch_groups(x, (~keep.reshape(-1)).long(), 1, bins))
 
 # %% ../nbs/01_inject.ipynb #c41aa0d9
 def _channels_last(x):
@@ -514,15 +534,13 @@ def _expert_weight(w, e, stored_out_in=True):
     w = w.detach()
     return w[e] if stored_out_in else w[e].transpose(-2, -1)
 
-def _group_rows(offs, e, x):
-    "Bool per row of `x`: the rows `offs` (cumulative row counts per group) gives group `e`."
-    i = torch.arange(x.shape[0], device=x.device)
-    lo = offs[e - 1] if e > 0 else offs.new_zeros(())
-    return (i >= lo) & (i < offs[e])
+def _group_ids(offs, x):
+    "The group of each row of `x` from `offs` (cumulative row counts per group); rows past the last offset get `len(offs)`."
+    return torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
 
-def _id_rows(ids, e):
-    "Bool per row: the rows routed to expert `e` (`ids` holds one expert id per row)."
-    return ids.reshape(-1) == e
+def _id_groups(ids):
+    "One expert id per gathered row."
+    return ids.reshape(-1)
 
 def _flat_rows(x):
     "One row per gathered (token, expert) pair: (S, 1, K) or (S, K, 1) as (S, K)."
@@ -545,11 +563,25 @@ def _view_buffer(new, w, fn, *args):
     return name
 
 # %% ../nbs/01_inject.ipynb #f6397633
-def _tap_rows(graph, x, keep, bins):
-    "Insert `sketch_rows(x, keep)` right after `keep`, and one getitem per stat."
-    with graph.inserting_after(keep): sk = graph.call_function(sketch_rows, (x, keep, bins))
-    with graph.inserting_after(sk):
-        return {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
+def _tap_group(graph, taps, x, group, bins):
+    "Taps of one expert: `sketch_groups` of `x` once per (tensor, grouping), then its row of every stat."
+    gid, G, e = group
+    k = ('groups', x.name, gid.name)
+    if k not in taps:
+        with graph.inserting_after(gid): sk = graph.call_function(sketch_groups, (x, gid, G, bins))
+        with graph.inserting_after(sk):
+            taps[k] = {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
+    out = {}
+    for st, n in taps[k].items():
+        with graph.inserting_after(n): out[st] = graph.call_function(operator.getitem, (n, e))
+    return out
+
+def _group_node(graph, by_name, node, fn, arg):
+    "One group-id node per grouped op, right after it (cached in `by_name`)."
+    k = ('group', node.name)
+    if k not in by_name:
+        with graph.inserting_after(by_name[node.name]): by_name[k] = graph.call_function(fn, arg)
+    return by_name[k]
 
 def _after(graph, x, fn, *args):
     with graph.inserting_after(x): return graph.call_function(fn, (x, *args))
@@ -569,7 +601,7 @@ def _conv_roles(new, graph, gm, s, by_name):
 
 def _expert_roles(new, graph, gm, s, by_name):
     e, node, x = s.extra['expert'], by_name[s.node.name], by_name[s.lhs.name]
-    with graph.inserting_after(node): keep = graph.call_function(_group_rows, (by_name[s.extra['offs'].name], e, x))
+    keep = (_group_node(graph, by_name, node, _group_ids, (by_name[s.extra['offs'].name], x)), s.extra['experts'], e)
     p = _param_path(gm, s.rhs)
     if p is not None: w, wkey = _view_buffer(new, gm.get_parameter(p[0]), _expert_weight, e, p[1]), f'{p[0]}[{e}]'
     else: w, wkey = _after(graph, by_name[s.rhs.name], _expert_weight, e, False), f'{s.rhs.name}[{e}]'
@@ -579,7 +611,7 @@ def _expert_roles(new, graph, gm, s, by_name):
 
 def _gathered_roles(new, graph, gm, s, by_name):
     e, node, ws, out_in = s.extra['expert'], by_name[s.node.name], s.extra['weight_shape'], s.extra['stored_out_in']
-    with graph.inserting_after(node): keep = graph.call_function(_id_rows, (by_name[s.extra['ids'].name], e))
+    keep = (_group_node(graph, by_name, node, _id_groups, (by_name[s.extra['ids'].name],)), s.extra['experts'], e)
     x = _after(graph, by_name[s.lhs.name], _flat_rows)
     y = _after(graph, node, _flat_rows)
     w = _view_buffer(new, gm.get_parameter(s.rhs), _expert_weight, e, out_in)
@@ -588,7 +620,7 @@ def _gathered_roles(new, graph, gm, s, by_name):
                 out=(f'{node.name}:ids{e}', y, keep, (None, N)))
 
 def _roles(new, graph, gm, s, by_name):
-    "role -> (tap key, node or buffer path to sketch, rows to keep (a node) or None, shape of the sketched tensor)."
+    "role -> (tap key, node or buffer path to sketch, (group ids node, groups, expert) or None, shape of the sketched tensor)."
     if s.kind == 'conv': return _conv_roles(new, graph, gm, s, by_name)
     if s.kind == 'expert': return (_gathered_roles if 'ids' in s.extra else _expert_roles)(new, graph, gm, s, by_name)
     shape = lambda x: (tuple(_get_attr(gm, x if isinstance(x, str) else x.target).shape)
@@ -637,7 +669,7 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
         for role, (key, x, keep, shape) in roles.items():
             static = isinstance(x, str) or x.op == 'get_attr'
             if key not in taps:
-                try: taps[key] = _tap(graph, x, bins, static and cache_weights) if keep is None else _tap_rows(graph, x, keep, bins)
+                try: taps[key] = _tap(graph, x, bins, static and cache_weights) if keep is None else _tap_group(graph, taps, x, keep, bins)
                 except Exception as e:
                     raise RuntimeError(f"cannot tap {role} of site {s.name} ({s.node.format_node()}): {e}") from e
             for st, n in taps[key].items(): stat_nodes[f'{s.name}/{role}/{st}'] = n
