@@ -161,3 +161,38 @@ def test_cli_hf_encoder_minilm(tmp_path, capsys):
     assert code == 0, err
     df = read_sketches(tmp_path / 'e.csv')
     assert df.step.nunique() == 1 and (df.role == 'attn').any()
+
+
+class _KeyPadAttention(torch.nn.Module):
+    "One-head attention with a key-padding mask only (BERT-style): padded query rows still see the real keys."
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+    def forward(self, x, attention_mask):
+        keep = attention_mask[:, None, None, :].bool()
+        return torch.nn.functional.scaled_dot_product_attention(self.q(x)[:, None], self.k(x)[:, None], self.v(x)[:, None],
+                                                                attn_mask=keep)[:, 0]
+
+
+def test_padded_query_rows_not_counted():
+    torch.manual_seed(21)
+    x = torch.randn(2, 5, 8); am = torch.ones(2, 5, dtype=torch.long); am[0, 3:] = 0
+    df = record(_KeyPadAttention().eval(), [dict(x=x, attention_mask=am)], taps='softmax')
+    km = df[df.stat == 'key_mass'].sort_values('idx').value.to_numpy()
+    assert abs(km.sum() - 8) < 1e-4          # 3 + 5 real query rows carry mass 1 each; the 2 padded rows carry none
+    peak = df[df.stat == 'peak'].value.item()
+    assert 0 < peak <= 1
+
+
+def test_masked_probabilities_not_reported_as_sparse():
+    from opscope.zoo import transformer, example_input
+    from opscope.miner import mine
+    m = transformer(layers=1, causal=True, seed=5)
+    df = record(m, [example_input(m, seed=s) for s in (30, 31)])
+    f = mine(df)
+    pv = [s for s in df.site.astype(str).unique() if s.endswith('matmul_1')]
+    assert pv
+    dens = df[(df.site == pv[0]) & (df.role == 'lhs') & (df.stat == 'density')].value
+    assert (dens < 0.7).all()                # the causal mask's zeros are there ...
+    hit = f[f.site.isin(pv) & (f.role == 'lhs') & f.exploit.isin(['sparse-gemm', 'dead-channels', 'channel-outliers'])]
+    assert hit.empty, hit                    # ... and are not read as structure
