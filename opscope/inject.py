@@ -349,6 +349,7 @@ def _meta_val(x, gm):
     if x.op == 'get_attr': return torch.empty_like(_get_attr(gm, x.target), device='meta')
     tm, v = x.meta.get('tensor_meta'), x.meta.get('val')
     if isinstance(v, torch.Tensor): return v.to('meta') if v.device.type != 'meta' else v
+    if isinstance(v, (tuple, list)): return v          # a multi-output op's values (chunk)
     if tm is not None and hasattr(tm, 'shape'): return torch.empty(tuple(_hint(d) for d in tm.shape), dtype=tm.dtype, device='meta')
     raise ValueError(f'no shape on {x.format_node()}')
 
