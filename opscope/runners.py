@@ -117,10 +117,14 @@ def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval m
 
 # %% ../nbs/02b_runners.ipynb #48e0a072
 def _step_graph(run, args, taps, bins):
-    "The injected graph for one step shape (traced with `torch.export`: it keeps the cache's in-place writes)."
+    "The injected graph for one step shape (traced with `torch.export`: it keeps the cache's in-place writes); warns on untapped GEMM FLOPs."
+    *head, keys, values = args
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')      # export's notes on specialized dims and lifted constants
-        return _inject(trace(run, *args, how='export'), taps, bins)
+        gm = trace(run, *args, how='export')
+        msg = coverage_warning(coverage(gm, *head, [k.clone() for k in keys], [v.clone() for v in values])) if 'matmul' in taps else None
+    if msg: warnings.warn(msg)
+    return _inject(gm, taps, bins)
 
 def _gated(run, inj, args, step):
     "The injected graph's `(logits, stats)`, checked against the eager model run on a copy of the cache."
