@@ -125,6 +125,22 @@ def test_grouped_mm_expert_sites():
     cov = coverage(m, x, offs)
     assert cov.tapped.all() and cov.flops.tolist() == [2 * 4 * 8 * 4, 0, 2 * 7 * 8 * 4]
 
+def test_expert_taps_have_no_data_dependent_shape():
+    "The injected graph exports (torch.export refuses data-dependent shapes) and the program serves any routing."
+    class G16(nn.Module):
+        def __init__(self): super().__init__(); self.w = nn.Parameter(torch.randn(3, 16, 8, dtype=torch.bfloat16))
+        def forward(self, x, offs): return torch._grouped_mm(x, self.w, offs=offs)
+    torch.manual_seed(29)
+    m, x = G16().eval(), torch.randn(13, 16, dtype=torch.bfloat16)
+    offs = torch.tensor([5, 5, 13], dtype=torch.int32)
+    inj = inject_matmul_stats(trace(m, x, offs), cache_weights=False)   # sketch_static's cache is Python: not exportable
+    with torch.no_grad():
+        prog = torch.export.export(inj, (x, offs), strict=False).module()
+        for o in (offs, torch.tensor([0, 12, 13], dtype=torch.int32)):
+            got, ref = prog(x, o)[1], inj(x, o)[1]
+            assert all(torch.allclose(got[k], ref[k], equal_nan=True) for k in ref)
+    assert got['grouped_mm.expert1/lhs/numel'] == 12 * 16
+
 def _tiny_moe(kind, impl='grouped_mm', seed=26):
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
     common = dict(vocab_size=96, hidden_size=24, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
