@@ -11,7 +11,7 @@ from fastcore.script import call_parse, Param
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'CliError', 'cli_errors', 'atomic_output', 'opscope_probe', 'opscope_shapes', 'opscope_sweep',
            'format_findings', 'opscope_mine', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow',
-           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench']
+           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record']
 
 # %% ../nbs/09_cli.ipynb #3615fb9d
 class CliError(Exception):
@@ -295,10 +295,14 @@ def _infer_report(found)->str:
 
 @call_parse
 def opscope_infer(out:str, # the sketches file to write (.csv or .parquet)
-                  model:str=None, # transformer, moe or minilm (default: all three)
+                  model:str=None, # transformer, moe or minilm (default: all three), or FILE.py:FACTORY
                   steps:int=2, # batches per model
+                  hf:str=None, # a local Hugging Face folder instead (with --prompts); --model may also be FILE.py:FACTORY
+                  prompts:str=None, # with --hf: a text file, one prompt per line
+                  max_new_tokens:int=8, # with --hf and a decoder: tokens generated
                  ):
     "Record attention and routing dynamics of the zoo transformer and MoE and the real MiniLM to OUT; print the findings."
+    if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens)
     with cli_errors('opscope-infer'):
         from opscope.zoo import infer_workload, INFER_MODELS
         from opscope.recorder import record, Recorder
@@ -337,3 +341,55 @@ def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torc
         if out:
             with atomic_output(p) as tmp: save_report(rep, tmp)
             print(f"wrote {p}")
+
+# %% ../nbs/09_cli.ipynb #f374fc4b
+def _user_job(model, hf, prompts, max_new_tokens, prog):
+    "`(name, run)` for --model FILE.py:FACTORY or --hf DIR --prompts FILE, checked: `run(sink)` records and returns the rows."
+    from opscope.runners import load_factory, load_hf, read_prompts, record_hf
+    from opscope.recorder import record
+    if (model is None) == (hf is None): raise CliError("give one of --model FILE.py:FACTORY or --hf DIR")
+    if hf is not None:
+        if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
+        if max_new_tokens < 1: raise CliError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+        texts = read_prompts(prompts); load_hf(hf)
+        return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens)
+    m, batches = load_factory(model)
+    name = model.rpartition(':')[2]
+    return name, lambda sink: record(m, batches, run_id=name, sink=sink, progress=True)
+
+@contextlib.contextmanager
+def _user_sink(out):
+    "A `Recorder` at OUT: a .csv/.parquet file moved into place when complete, or a dataset directory streamed per step."
+    from opscope.recorder import Recorder
+    p = Path(out)
+    if p.suffix:
+        p = _check_out_path(out)
+        with atomic_output(p) as tmp, Recorder(tmp) as rec: yield rec
+    else:
+        if p.parent != Path('') and not p.parent.is_dir(): raise CliError(f"{out}: folder {p.parent} does not exist")
+        with Recorder(p, dataset=True) as rec: yield rec
+
+@call_parse
+def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a dataset directory
+                   model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
+                   hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
+                   prompts:str=None, # with --hf: a text file, one prompt per line
+                   max_new_tokens:int=8, # with --hf and a decoder: tokens generated (one recorded step each)
+                  ):
+    "Record a user's model to OUT: a factory's batches, or a local Hugging Face model on prompts (decoders through generate)."
+    with cli_errors('opscope-record'):
+        name, run = _user_job(model, hf, prompts, max_new_tokens, 'opscope-record')
+        with _user_sink(out) as rec: df = run(rec)
+        print(f"{name}: wrote {len(df):,} rows: {df.step.nunique()} steps × {df.site.nunique()} sites → {out}")
+
+def _infer_user(out, model, hf, prompts, max_new_tokens):
+    "`opscope-infer` on a user's model: record it to OUT and print the attention and routing findings."
+    with cli_errors('opscope-infer'):
+        from opscope.miner import mine, INFER_EXPLOITS
+        name, run = _user_job(model, hf, prompts, max_new_tokens, 'opscope-infer')
+        with _user_sink(out) as rec: df = run(rec)
+        roles = df.drop_duplicates(['site', 'role']).role.value_counts()
+        print(f"{name}: {df.step.nunique()} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
+              f"{roles.get('gate', 0)} top-k), {len(df):,} rows → {out}\n")
+        found = mine(df)
+        print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))

@@ -16,11 +16,12 @@ import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
 
 # %% auto #0
-__all__ = ['MATMUL_TARGETS', 'MATMUL_METHODS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS',
-           'SKETCH_REGION_SHAPES', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_TARGETS', 'SDPA_RTOL', 'SDPA_ATOL',
-           'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'matmul_sites', 'sketch', 'refresh_static',
-           'inject_matmul_stats', 'compile_injected', 'gate', 'attn_sketch', 'gate_sketch', 'decompose_sdpa',
-           'InferSite', 'infer_sites', 'inject_infer_stats']
+__all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
+           'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SKETCH_REGION_SHAPES',
+           'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS',
+           'trace', 'Site', 'site_name', 'expert_site', 'site_names', 'matmul_sites', 'sketch', 'refresh_static',
+           'decompose_attention', 'sketch_groups', 'sketch_rows', 'inject_matmul_stats', 'compile_injected', 'gate',
+           'attn_sketch', 'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -33,6 +34,16 @@ def _auto_dims(model, args, kwargs):
     auto = lambda a: {i: torch.export.Dim.AUTO for i in range(a.dim())} if isinstance(a, torch.Tensor) else None
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     return {k: pytree.tree_map(auto, v) for k, v in bound.items()}
+
+EAGER_EXPERTS = ("cannot trace {}: its MoE experts run eagerly (experts_implementation='eager' loops in Python over the "
+                 "experts the data hit, which no graph can hold); build it with experts_implementation='grouped_mm' "
+                 "(or 'batched_mm'), e.g. from_config(cfg, experts_implementation='grouped_mm'), or call "
+                 "model.set_experts_implementation('grouped_mm')")
+
+def _eager_experts(model):
+    "True for a transformers model whose experts run the eager per-expert loop."
+    impl = getattr(getattr(model, 'config', None), '_experts_implementation', None)
+    return impl == 'eager' and any(type(m).__name__.endswith('Experts') for m in model.modules())
 
 def trace(model:nn.Module, # the model to trace (left untouched)
           *example_inputs, # positional inputs for one call
@@ -53,6 +64,7 @@ def trace(model:nn.Module, # the model to trace (left untouched)
     try: ep = torch.export.export(model, tuple(example_inputs), example_kwargs or None, strict=False,
                                   dynamic_shapes=_auto_dims(model, example_inputs, example_kwargs))
     except Exception as e:
+        if _eager_experts(model): raise RuntimeError(EAGER_EXPERTS.format(type(model).__name__)) from e
         msg = f"cannot trace {type(model).__name__}: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         if fx_error is not None: msg += f"; torch.fx failed first ({type(fx_error).__name__}: {str(fx_error).splitlines()[0]})"
         raise RuntimeError(msg) from e
@@ -72,15 +84,31 @@ MATMUL_TARGETS = {
     _aten.linear.default: ('linear', 0, 1), _aten.einsum.default: ('einsum', None, None),
 }
 MATMUL_METHODS = {'matmul': ('matmul', 0, 1), '__matmul__': ('matmul', 0, 1), 'mm': ('mm', 0, 1), 'bmm': ('bmm', 0, 1)}
+SDPA_TARGETS = (F.scaled_dot_product_attention, _aten.scaled_dot_product_attention.default)
+# convolutions: target -> (op name, transposed, index of the groups argument)
+CONV_TARGETS = {F.conv1d: ('conv1d', False, 6), F.conv2d: ('conv2d', False, 6), F.conv3d: ('conv3d', False, 6),
+                F.conv_transpose1d: ('conv_transpose1d', True, 6), F.conv_transpose2d: ('conv_transpose2d', True, 6),
+                F.conv_transpose3d: ('conv_transpose3d', True, 6),
+                _aten.conv1d.default: ('conv1d', False, 6), _aten.conv2d.default: ('conv2d', False, 6),
+                _aten.conv3d.default: ('conv3d', False, 6), _aten.conv_transpose1d.default: ('conv_transpose1d', True, 6),
+                _aten.conv_transpose2d.input: ('conv_transpose2d', True, 6),
+                _aten.conv_transpose3d.input: ('conv_transpose3d', True, 6),
+                _aten.convolution.default: ('convolution', None, 8)}
+CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+# grouped (per-expert) matmuls (input (S, K), weight (E, K, N), offs (E,) cumulative rows), by operator name
+GROUPED_OPS = {'aten::_grouped_mm', 'transformers::grouped_mm_fallback'}
+GROUPED_FNS = tuple(f for f in (getattr(torch, '_grouped_mm', None), getattr(F, 'grouped_mm', None)) if f is not None)
 
 @dataclass
 class Site:
-    "One matmul in a graph: its name, op, and the nodes producing its `lhs`, `rhs` and `out`."
+    "One GEMM-like op in a graph: its name, op, and the nodes producing its `lhs`, `rhs` and `out`."
     name: str
     op: str
     node: fx.Node
     lhs: fx.Node
-    rhs: fx.Node  # or a parameter path (str) for an `nn.Linear` module's weight
+    rhs: fx.Node  # or a parameter path (str) for an `nn.Linear` / conv module's weight or an expert's weight
+    kind: str = 'matmul'  # 'matmul', 'conv' (an implicit GEMM) or 'expert' (one expert of a grouped matmul)
+    extra: dict = field(default_factory=dict)  # conv: transposed, groups; expert: expert, offs
     @property
     def out(self): return self.node
 
@@ -96,34 +124,113 @@ def _module_path(node):
     path, typ = list(stack.values())[-1]
     return path, typ
 
+def _arg(node, i, name, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+def _meta_shape(node):
+    if not isinstance(node, fx.Node): return None
+    tm = node.meta.get('tensor_meta')
+    if tm is not None and hasattr(tm, 'shape'): return tuple(_hint(d) for d in tm.shape)
+    v = node.meta.get('val')
+    return tuple(_hint(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
+
+def _hint(d):
+    "A dimension as an int: a dynamic (symbolic) dimension from torch.export gives its example value."
+    if isinstance(d, int): return d
+    try: return int(d.node.hint)
+    except Exception: return None
+
+def _conv_spec(gm, node):
+    "(op, lhs, rhs, extra) if `node` is a convolution, else None."
+    if node.op == 'call_module':
+        mod = gm.get_submodule(node.target)
+        if not isinstance(mod, CONV_MODULES): return None
+        tr = isinstance(mod, nn.modules.conv._ConvTransposeNd)
+        return type(mod).__name__.lower().replace('convtranspose', 'conv_transpose'), node.args[0], f'{node.target}.weight', dict(transposed=tr, groups=mod.groups)
+    if node.op != 'call_function' or node.target not in CONV_TARGETS: return None
+    op, tr, ig = CONV_TARGETS[node.target]
+    if tr is None: tr = bool(_arg(node, 6, 'transposed', False))
+    return op, node.args[0], _arg(node, 1, 'weight', None), dict(transposed=tr, groups=int(_arg(node, ig, 'groups', 1)))
+
+def _is_grouped(node):
+    t = node.target
+    return node.op == 'call_function' and (t in GROUPED_FNS or isinstance(t, torch._ops.OpOverload) and t._schema.name in GROUPED_OPS)
+
+def _gathered(gm, node):
+    "The parameter path if `node` gathers rows of a stacked 3-D parameter by one index tensor (`w[expert_ids]`), else None."
+    if not (isinstance(node, fx.Node) and node.op == 'call_function' and node.target in (_aten.index.Tensor, operator.getitem)): return None
+    src, idx = node.args[0], node.args[1]
+    idx = idx[0] if isinstance(idx, (list, tuple)) and len(idx) == 1 else idx
+    if not (isinstance(src, fx.Node) and src.op == 'get_attr' and isinstance(idx, fx.Node)): return None
+    w = _get_attr(gm, src.target)
+    return (src.target, idx, tuple(w.shape)) if isinstance(w, torch.Tensor) and w.dim() == 3 else None
+
+def _batched_experts(gm, node, op, a, b):
+    "A `bmm` of gathered expert weights (transformers' `batched_mm` experts): (op, lhs, rhs, 'gathered', extra), else None."
+    for w, x, out_in in ((a, b, True), (b, a, False)):   # W[ids] @ x[..., None]  or  x[:, None] @ W[ids]
+        g = _gathered(gm, w)
+        if g is not None: return op, x, g[0], 'gathered', dict(ids=g[1], weight_shape=g[2], stored_out_in=out_in)
+    return None
+
 def _classify(gm, node):
-    "(op, lhs, rhs) if `node` is a matmul, else None."
+    "(op, lhs, rhs, kind, extra) if `node` is a matmul, a convolution or a grouped matmul, else None."
     if node.op == 'call_module' and isinstance(gm.get_submodule(node.target), nn.Linear):
-        return 'linear', node.args[0], f'{node.target}.weight'
+        return 'linear', node.args[0], f'{node.target}.weight', 'matmul', {}
+    conv = _conv_spec(gm, node)
+    if conv is not None: return (*conv[:3], 'conv', conv[3])
+    if _is_grouped(node): return 'grouped_mm', node.args[0], node.args[1], 'grouped', dict(offs=_arg(node, 2, 'offs', None))
     spec = None
     if node.op == 'call_function': spec = MATMUL_TARGETS.get(node.target)
     elif node.op == 'call_method': spec = MATMUL_METHODS.get(node.target)
     if spec is None: return None
     op, il, ir = spec
+    if op == 'bmm' and (be := _batched_experts(gm, node, op, node.args[il], node.args[ir])) is not None: return be
     if op == 'einsum':
         ops = _einsum_operands(node)
-        return None if ops is None else (op, ops[0], ops[1])
-    return op, node.args[il], node.args[ir]
+        return None if ops is None else (op, ops[0], ops[1], 'matmul', {})
+    return op, node.args[il], node.args[ir], 'matmul', {}
 
 # %% ../nbs/01_inject.ipynb #0dd7cfeb
-def matmul_sites(gm:fx.GraphModule)->list[Site]:
-    "Every matmul site in `gm`, in graph order, with unique module-path names."
-    sites, seen = [], {}
+def site_name(node:fx.Node, # a GEMM-like node
+              op:str, # its op name (`linear`, `matmul`, `conv2d`, ...)
+             )->str:
+    "The base name of the site at `node` (before de-duplication): a module's path, else the calling module's path + op."
+    path, typ = _module_path(node)
+    if node.op == 'call_module': return node.target
+    cls = str(typ or '').rsplit('.', 1)[-1].rstrip("'>")
+    if op == 'linear' and cls.endswith('Linear') or op.startswith('conv') and cls.startswith('Conv'): return path
+    return f'{path}.{op}' if path else op
+
+def expert_site(name:str, # the grouped matmul's site name
+                expert:int)->str:
+    "The site name of one expert of a grouped matmul."
+    return f'{name}.expert{expert}'
+
+def _expert_sites(name, op, node, lhs, rhs, extra):
+    "One `Site` per expert of a grouped matmul (the expert count from the weight's shape)."
+    ws = extra.get('weight_shape') or _meta_shape(rhs)
+    if ws is None or ws[0] is None: raise ValueError(f"cannot tell how many experts {node.format_node()} has: no shape on its weight")
+    return [Site(expert_site(name, e), op, node, lhs, rhs, 'expert', dict(extra, expert=e, experts=ws[0])) for e in range(ws[0])]
+
+def site_names(gm:fx.GraphModule)->dict:
+    "{node name: site name} for every GEMM-like node of `gm` (a grouped or gathered-expert matmul's name is its experts' prefix)."
+    names, seen = {}, {}
     for node in gm.graph.nodes:
         c = _classify(gm, node)
         if c is None: continue
-        op, lhs, rhs = c
-        path, typ = _module_path(node)
-        if node.op == 'call_module': name = node.target
-        elif op == 'linear' and typ is not None and str(typ).endswith('Linear'): name = path
-        else: name = f'{path}.{op}' if path else op
-        n = seen.get(name, 0); seen[name] = n + 1
-        sites.append(Site(name if n == 0 else f'{name}_{n}', op, node, lhs, rhs))
+        base = site_name(node, c[0])
+        n = seen.get(base, 0); seen[base] = n + 1
+        names[node.name] = base if n == 0 else f'{base}_{n}'
+    return names
+
+def matmul_sites(gm:fx.GraphModule)->list[Site]:
+    "Every GEMM-like site in `gm` (matmuls, convolutions, one per expert of a grouped matmul), in graph order, named by `site_names`."
+    names, sites = site_names(gm), []
+    for node in gm.graph.nodes:
+        if node.name not in names: continue
+        op, lhs, rhs, kind, extra = _classify(gm, node)
+        if kind in ('grouped', 'gathered'): sites += _expert_sites(names[node.name], op, node, lhs, rhs, extra)
+        else: sites.append(Site(names[node.name], op, node, lhs, rhs, kind, extra))
     return sites
 
 # %% ../nbs/01_inject.ipynb #a517310a
@@ -282,40 +389,137 @@ def _refresh_hook(mod, args):
     # `compile_injected` refreshes outside the compiled region instead
     if not torch.compiler.is_compiling(): refresh_static(mod)
 
+# %% ../nbs/01_inject.ipynb #c5e69189
+def _mha_signature(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None, average_attn_weights=True,
+                   is_causal=False): pass
+
+def _mha_heads(t, heads, batch_first):
+    "(batch, tokens, embed) — or (tokens, batch, embed) — as (batch, heads, tokens, head_dim)."
+    if not batch_first: t = t.transpose(0, 1)
+    return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+def _mha_scores(s, attn_mask, key_padding_mask):
+    "Scaled scores with `nn.MultiheadAttention`'s mask semantics (a boolean True means *masked out*)."
+    B, H, L, S = s.shape
+    if attn_mask is not None:
+        m = attn_mask.reshape(-1, H, L, S) if attn_mask.dim() == 3 else attn_mask
+        s = s.masked_fill(m, float('-inf')) if m.dtype == torch.bool else s + m
+    if key_padding_mask is not None:
+        m = key_padding_mask[:, None, None, :]
+        s = s.masked_fill(m, float('-inf')) if m.dtype == torch.bool else s + m
+    return s
+
+def _mha_merge(o, batch_first):
+    "(batch, heads, tokens, head_dim) back to the module's layout."
+    o = o.transpose(1, 2).flatten(-2)
+    return o if batch_first else o.transpose(0, 1)
+
+def _mha_result(out, p, need_weights, average):
+    return out, (p.mean(1) if average else p) if need_weights else None
+
+def _meta_val(x, gm):
+    "A meta tensor with `x`'s shape and dtype (for shapes in the manifest), or `x` itself if it is not a tensor node."
+    if not isinstance(x, fx.Node): return x
+    if x.op == 'get_attr': return torch.empty_like(_get_attr(gm, x.target), device='meta')
+    tm, v = x.meta.get('tensor_meta'), x.meta.get('val')
+    if isinstance(v, torch.Tensor): return v.to('meta') if v.device.type != 'meta' else v
+    if isinstance(v, (tuple, list)): return v          # a multi-output op's values (chunk)
+    if tm is not None and hasattr(tm, 'shape'): return torch.empty(tuple(_hint(d) for d in tm.shape), dtype=tm.dtype, device='meta')
+    raise ValueError(f'no shape on {x.format_node()}')
+
+def _get_attr(gm, path):
+    mod, _, name = path.rpartition('.')
+    return getattr(gm.get_submodule(mod) if mod else gm, name)
+
+def _propagate_meta(gm, nodes):
+    "Fill `meta['val']` of new nodes by running them on meta tensors (best effort: shapes only)."
+    for n in nodes:
+        try: n.meta['val'] = n.target(*fx.node.map_aggregate(n.args, lambda a: _meta_val(a, gm))) if n.op == 'call_function' else \
+                             getattr(_meta_val(n.args[0], gm), n.target)(*fx.node.map_aggregate(n.args[1:], lambda a: _meta_val(a, gm)))
+        except Exception: pass
+
+# %% ../nbs/01_inject.ipynb #ab03c95d
+def _mha_decomposable(mod):
+    return (mod.bias_k is None and not mod.add_zero_attn and (mod.dropout == 0 or not mod.training))
+
+def _decompose_mha_one(gm, graph, node):
+    "Replace one `nn.MultiheadAttention` call by in-projection, Q·Kᵀ, scale + mask, softmax, P·V and out-projection nodes."
+    import inspect
+    mod = gm.get_submodule(node.target)
+    a = inspect.signature(_mha_signature).bind(*node.args, **node.kwargs); a.apply_defaults(); a = a.arguments
+    stack = dict(node.meta.get('nn_module_stack', {}))
+    stack.setdefault(node.target, (node.target, type(mod).__name__))
+    H, E, bf, made = mod.num_heads, mod.embed_dim, mod.batch_first, []
+    def add(target, args, where=None):
+        n = (graph.call_method if isinstance(target, str) else graph.call_function)(target, args)
+        n.meta['nn_module_stack'] = {**stack, where: (where, 'Linear')} if where else stack
+        made.append(n); return n
+    attr = lambda name: graph.get_attr(f'{node.target}.{name}') if _get_attr(mod, name) is not None else None
+    with graph.inserting_before(node):
+        b = attr('in_proj_bias')
+        bs = [add(operator.getitem, (b, slice(i * E, (i + 1) * E))) for i in range(3)] if b is not None else [None] * 3
+        q, k, v = a['query'], a['key'], a['value']
+        if mod._qkv_same_embed_dim and q is k is v:
+            qkv = add(F.linear, (q, attr('in_proj_weight'), b), f'{node.target}.in_proj')
+            q, k, v = (add(operator.getitem, (add('chunk', (qkv, 3, -1)), i)) for i in range(3))
+        elif mod._qkv_same_embed_dim:
+            w = attr('in_proj_weight')
+            q, k, v = (add(F.linear, (x, add(operator.getitem, (w, slice(i * E, (i + 1) * E))), bs[i]), f'{node.target}.{r}_proj')
+                       for i, (x, r) in enumerate(zip((q, k, v), 'qkv')))
+        else:
+            q, k, v = (add(F.linear, (x, attr(f'{r}_proj_weight'), bs[i]), f'{node.target}.{r}_proj')
+                       for i, (x, r) in enumerate(zip((q, k, v), 'qkv')))
+        q, k, v = (add(_mha_heads, (x, H, bf)) for x in (q, k, v))
+        s = add(torch.mul, (add(torch.matmul, (q, add('transpose', (k, -2, -1)))), (E // H) ** -0.5))
+        p = add(torch.softmax, (add(_mha_scores, (s, a['attn_mask'], a['key_padding_mask'])), -1))
+        o = add(_mha_merge, (add(torch.matmul, (p, v)), bf))
+        out = add(F.linear, (o, attr('out_proj.weight'), attr('out_proj.bias')), f'{node.target}.out_proj')
+        res = add(_mha_result, (out, p, a['need_weights'], a['average_attn_weights']))
+    _propagate_meta(gm, made)
+    node.replace_all_uses_with(res)
+    graph.erase_node(node)
+
+# %% ../nbs/01_inject.ipynb #f5643c86
+def _mha_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == 'call_module' and isinstance(gm.get_submodule(n.target), nn.MultiheadAttention)
+            and _mha_decomposable(gm.get_submodule(n.target))]
+
+def decompose_attention(gm:fx.GraphModule, # from `trace`; left untouched
+                       )->fx.GraphModule:
+    "`gm` with every `nn.MultiheadAttention` module and `scaled_dot_product_attention` call written as matmul + softmax + matmul (`gm` itself if it has none)."
+    mhas = _mha_nodes(gm)
+    has_sdpa = any(n.op == 'call_function' and n.target in SDPA_TARGETS for n in gm.graph.nodes)
+    if not mhas and not has_sdpa: return gm
+    if mhas:
+        graph = copy.deepcopy(gm.graph)
+        new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+        new.meta.update(gm.meta)
+        if hasattr(gm, 'manifest'): new.manifest = gm.manifest
+        for n in [m for m in graph.nodes if m.name in {x.name for x in mhas}]: _decompose_mha_one(new, graph, n)
+        new.meta['opscope_sdpa'] = gm.meta.get('opscope_sdpa', 0) + len(mhas)
+        graph.lint(); new.recompile()
+        gm = new
+    return decompose_sdpa(gm) if has_sdpa else gm
+
 # %% ../nbs/01_inject.ipynb #2bb19141
-def _meta_shape(node):
-    if not isinstance(node, fx.Node): return None
-    tm = node.meta.get('tensor_meta')
-    if tm is not None and hasattr(tm, 'shape'): return tuple(_hint(d) for d in tm.shape)
-    v = node.meta.get('val')
-    return tuple(_hint(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
-
-def _hint(d):
-    "A dimension as an int: a dynamic (symbolic) dimension from torch.export gives its example value."
-    if isinstance(d, int): return d
-    try: return int(d.node.hint)
-    except Exception: return None
-
-def _site_dims(site, gm, shapes):
-    lhs, rhs, out = shapes
-    K = lhs[-1] if lhs else None
-    N = out[-1] if out else None
-    M = math.prod(out[:-1]) if out and None not in out else None
-    return M, K, N
-
 def _set_outputs(gm, out_node, primary, stat_nodes):
     "Make `out_node` return `(primary, stats)`; if an earlier pass already did, extend its stats instead of nesting."
     cg = gm.graph._codegen
     done = gm.meta.get('opscope_injected', False)
     if isinstance(cg, fx.graph._PyTreeCodeGen) and cg.pytree_info is not None and cg.pytree_info.out_spec is not None:
+        # work on the output *spec*, never unflatten it: a custom pytree node (a KV cache) rejects placeholder leaves
         leaves = list(primary) if isinstance(primary, (list, tuple)) else [primary]
-        tree = pytree.tree_unflatten(list(range(len(leaves))), cg.pytree_info.out_spec)
-        old, have = tree if done else (tree, {})
-        stats = {**{k: leaves[i] for k, i in have.items()}, **stat_nodes}
-        prim = [leaves[i] for i in pytree.tree_leaves(old)]
-        spec = pytree.tree_structure((old, {k: 0 for k in stats}))
+        spec = cg.pytree_info.out_spec
+        prim_spec, have = spec, {}
+        if done:
+            prim_spec, stat_spec = spec.children()
+            have = dict(zip(stat_spec.context, leaves[prim_spec.num_leaves:]))
+            leaves = leaves[:prim_spec.num_leaves]
+        stats = {**have, **stat_nodes}
+        spec = pytree.TreeSpec(tuple, None, [prim_spec, pytree.tree_structure({k: 0 for k in stats})])
         cg.pytree_info = cg.pytree_info._replace(out_spec=spec)
-        out_node.args = (tuple(prim) + tuple(stats.values()),)
+        if hasattr(gm, '_out_spec'): gm._out_spec = spec   # torch.export's module() reads its own copy of the spec
+        out_node.args = (tuple(leaves) + tuple(stats.values()),)
     else:
         primary, have = primary if done else (primary, {})
         out_node.args = ((primary, {**have, **stat_nodes}),)
@@ -365,16 +569,193 @@ def _install_refresh(new):
     "The forward pre-hook that refreshes cached weight sketches before the graph runs (outside any compiled region)."
     if new.meta.get('opscope_static', {}).get('paths'): new.register_forward_pre_hook(_refresh_hook)
 
+# %% ../nbs/01_inject.ipynb #768df1ee
+def sketch_groups(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
+                  group:torch.Tensor, # int, one per row: its group in [0, groups); any other value drops the row
+                  groups:int, # how many groups (experts)
+                  bins:int=64, # histogram bins over [-1, 1] of x / the group's absmax
+                 )->tuple:
+    "The sketch of each group's rows (order of `STATS`, each stat with a leading `groups` dim), in one pass over `x`, at a fixed shape and with no host sync."
+    x2, T = _as_rows(x)
+    R, C = x2.shape
+    G, dt = groups, x2.dtype
+    g = group.reshape(-1).long()
+    g = torch.where((g >= 0) & (g < G), g, G)                      # dropped rows go to a spare group G
+    fin = torch.isfinite(x2)
+    clean = torch.where(fin, x2, 0.0)
+    per = lambda v: x2.new_zeros((G + 1, *v.shape[1:])).index_add_(0, g, v)[:G]      # sum of per-row values by group
+    rows = per(torch.ones(R, dtype=dt, device=x2.device)); n = rows * C                # 0 rows: 0/0 = NaN below
+    nan, inf = per(torch.isnan(x2).sum(-1).to(dt)), per(torch.isinf(x2).sum(-1).to(dt))
+    gc = g.unsqueeze(-1).expand(R, C)
+    ext = lambda fill, how: x2.new_full((G + 1, C), fill).scatter_reduce_(0, gc, clean, how, include_self=False)[:G]
+    cmax, cmin = ext(float('-inf'), 'amax'), ext(float('inf'), 'amin')
+    empty = (rows == 0).unsqueeze(-1)
+    cmax, cmin = cmax.masked_fill(empty, float('nan')), cmin.masked_fill(empty, float('nan'))
+    chan_absmax = torch.maximum(cmax, -cmin)
+    absmax = chan_absmax.amax(-1)
+    chan_density = per((clean != 0).to(dt)) / rows.unsqueeze(-1)
+    energy = torch.linalg.vector_norm(clean, dim=-1)
+    mean, ms = per(clean.sum(-1)) / n, per(energy.square()) / n
+    std = (ms - mean * mean).clamp_min(0).sqrt()
+    r3, e3, g3 = clean.reshape(-1, T, C), energy.reshape(-1, T), g.reshape(-1, T)
+    cos = ((r3[:, 1:] * r3[:, :-1]).sum(-1) / (e3[:, 1:] * e3[:, :-1]).clamp_min(1e-30)).reshape(-1)
+    same = (g3[:, 1:] == g3[:, :-1]).reshape(-1)
+    gp = torch.where(same, g3[:, 1:].reshape(-1), G)
+    pairs = x2.new_zeros(G + 1).index_add_(0, gp, torch.ones_like(cos))[:G]
+    adj_cos = x2.new_zeros(G + 1).index_add_(0, gp, cos)[:G] / pairs
+    amax_row = torch.cat([absmax.nan_to_num(0.0), absmax.new_zeros(1)])[g].unsqueeze(-1)     # each row's group absmax
+    b = ((clean / (amax_row + 1e-12) + 1) * (bins / 2)).floor().clamp(0, bins - 1).long() + g.unsqueeze(-1) * bins
+    hist = x2.new_zeros((G + 1) * bins).index_add_(0, b.reshape(-1), torch.ones_like(clean).reshape(-1)).reshape(G + 1, bins)[:G]
+    nearzero = per((clean.abs() <= NEARZERO_REL * amax_row).sum(-1).to(dt)) / n
+    row_energy = torch.where(g.unsqueeze(0) == torch.arange(G, device=g.device).unsqueeze(1), energy, float('nan'))
+    return (n, cmin.amin(-1), cmax.amax(-1), mean, std, absmax, ms.sqrt(), chan_density.mean(-1), nearzero, nan, inf,
+            adj_cos, chan_absmax, chan_density, row_energy, hist)
+
+def sketch_rows(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
+                keep:torch.Tensor, # bool, one per row: the rows that belong to the site
+                bins:int=64, # histogram bins over [-1, 1] of x / absmax
+               )->tuple:
+    "The sketch (order of `STATS`) of the rows of `x` where `keep` is true: `sketch_groups` with one group."
+    return tuple(t[0] for t in sketch_groups(x, (~keep.reshape(-1)).long(), 1, bins))
+
+# %% ../nbs/01_inject.ipynb #c41aa0d9
+def _channels_last(x):
+    "A conv activation (batch, channels, *spatial) as (batch, *spatial, channels): rows are positions, channels last."
+    return x.movedim(1, -1)
+
+def _conv_weight(w, transposed=False):
+    "A conv weight as the implicit GEMM's (out-channels, in-channels·kernel) (per group)."
+    w = w.detach()   # a view for statistics: never part of autograd
+    return (w.movedim(1, 0) if transposed else w).flatten(1)
+
+def _expert_weight(w, e, stored_out_in=True):
+    "Expert `e`'s own weight as (out, in), like an `nn.Linear` weight: `w` is (E, out, in) if `stored_out_in`, else (E, in, out)."
+    w = w.detach()
+    return w[e] if stored_out_in else w[e].transpose(-2, -1)
+
+def _group_ids(offs, x):
+    "The group of each row of `x` from `offs` (cumulative row counts per group); rows past the last offset get `len(offs)`."
+    return torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
+
+def _id_groups(ids):
+    "One expert id per gathered row."
+    return ids.reshape(-1)
+
+def _flat_rows(x):
+    "One row per gathered (token, expert) pair: (S, 1, K) or (S, K, 1) as (S, K)."
+    return x.reshape(x.shape[0], -1)
+
+def _param_path(gm, node):
+    "(path, transposed) if `node` is a parameter, or its last-two-dims transpose, else None."
+    t = False
+    if node.op in ('call_function', 'call_method') and node.target in (torch.transpose, 'transpose', _aten.transpose.int,
+                                                                          'mT', _aten.t.default) :
+        args = node.args[1:]
+        if node.target not in ('mT', _aten.t.default) and {a % 3 for a in args if isinstance(a, int)} != {1, 2}: return None
+        node, t = node.args[0], True
+    return (node.target, t) if node.op == 'get_attr' else None
+
+def _view_buffer(new, w, fn, *args):
+    "Register `fn(w, *args)` (a view of a parameter) on `new` as a non-persistent buffer; returns its path."
+    name = f'_opscope_view{len([b for b in new._buffers if b.startswith("_opscope_view")])}'
+    new.register_buffer(name, fn(w, *args), persistent=False)
+    return name
+
+# %% ../nbs/01_inject.ipynb #f6397633
+def _tap_group(graph, taps, x, group, bins):
+    "Taps of one expert: `sketch_groups` of `x` once per (tensor, grouping), then its row of every stat."
+    gid, G, e = group
+    k = ('groups', x.name, gid.name)
+    if k not in taps:
+        with graph.inserting_after(gid): sk = graph.call_function(sketch_groups, (x, gid, G, bins))
+        with graph.inserting_after(sk):
+            taps[k] = {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
+    out = {}
+    for st, n in taps[k].items():
+        with graph.inserting_after(n): out[st] = graph.call_function(operator.getitem, (n, e))
+    return out
+
+def _group_node(graph, by_name, node, fn, arg):
+    "One group-id node per grouped op, right after it (cached in `by_name`)."
+    k = ('group', node.name)
+    if k not in by_name:
+        with graph.inserting_after(by_name[node.name]): by_name[k] = graph.call_function(fn, arg)
+    return by_name[k]
+
+def _after(graph, x, fn, *args):
+    with graph.inserting_after(x): return graph.call_function(fn, (x, *args))
+
+def _cl(shape): return None if shape is None else (shape[0], *shape[2:], shape[1])
+
+def _conv_roles(new, graph, gm, s, by_name):
+    tr = s.extra['transposed']
+    if isinstance(s.rhs, str): w, wkey = _view_buffer(new, gm.get_parameter(s.rhs), _conv_weight, tr), f'{s.rhs}:gemm'
+    else: w, wkey = _after(graph, by_name[s.rhs.name], _conv_weight, tr), f'{s.rhs.name}:gemm'
+    raw = tuple(gm.get_parameter(s.rhs).shape) if isinstance(s.rhs, str) else _meta_shape(s.rhs)
+    s.extra['weight_shape'] = raw
+    ws = raw and (raw[1 if tr else 0], math.prod(raw) // raw[1 if tr else 0])
+    return dict(lhs=(f'{s.lhs.name}:cl', _after(graph, by_name[s.lhs.name], _channels_last), None, _cl(_meta_shape(s.lhs))),
+                rhs=(wkey, w, None, ws), out=(f'{s.node.name}:cl', _after(graph, by_name[s.node.name], _channels_last), None,
+                                             _cl(_meta_shape(s.node))))
+
+def _expert_roles(new, graph, gm, s, by_name):
+    e, node, x = s.extra['expert'], by_name[s.node.name], by_name[s.lhs.name]
+    keep = (_group_node(graph, by_name, node, _group_ids, (by_name[s.extra['offs'].name], x)), s.extra['experts'], e)
+    p = _param_path(gm, s.rhs)
+    if p is not None: w, wkey = _view_buffer(new, gm.get_parameter(p[0]), _expert_weight, e, p[1]), f'{p[0]}[{e}]'
+    else: w, wkey = _after(graph, by_name[s.rhs.name], _expert_weight, e, False), f'{s.rhs.name}[{e}]'
+    ws = _meta_shape(s.rhs)
+    return dict(lhs=(f'{x.name}:rows{e}', x, keep, (None, ws and ws[1])), rhs=(wkey, w, None, ws and (ws[2], ws[1])),
+                out=(f'{node.name}:rows{e}', node, keep, (None, ws and ws[2])))
+
+def _gathered_roles(new, graph, gm, s, by_name):
+    e, node, ws, out_in = s.extra['expert'], by_name[s.node.name], s.extra['weight_shape'], s.extra['stored_out_in']
+    keep = (_group_node(graph, by_name, node, _id_groups, (by_name[s.extra['ids'].name],)), s.extra['experts'], e)
+    x = _after(graph, by_name[s.lhs.name], _flat_rows)
+    y = _after(graph, node, _flat_rows)
+    w = _view_buffer(new, gm.get_parameter(s.rhs), _expert_weight, e, out_in)
+    N, K = ws[1:] if out_in else ws[:0:-1]
+    return dict(lhs=(f'{s.lhs.name}:ids{e}', x, keep, (None, K)), rhs=(f'{s.rhs}[{e}]', w, None, (N, K)),
+                out=(f'{node.name}:ids{e}', y, keep, (None, N)))
+
+def _roles(new, graph, gm, s, by_name):
+    "role -> (tap key, node or buffer path to sketch, (group ids node, groups, expert) or None, shape of the sketched tensor)."
+    if s.kind == 'conv': return _conv_roles(new, graph, gm, s, by_name)
+    if s.kind == 'expert': return (_gathered_roles if 'ids' in s.extra else _expert_roles)(new, graph, gm, s, by_name)
+    shape = lambda x: (tuple(_get_attr(gm, x if isinstance(x, str) else x.target).shape)
+                       if isinstance(x, str) or x.op == 'get_attr' else _meta_shape(x))
+    get = lambda x: x if isinstance(x, str) else by_name[x.name]
+    return {r: (x if isinstance(x, str) else x.name, get(x), None, shape(x)) for r, x in (('lhs', s.lhs), ('rhs', s.rhs), ('out', s.node))}
+
+def _site_dims(site, gm, shapes):
+    "The site's (M, K, N): a matmul's from its operands, a conv's implicit GEMM's (per group), an expert's (M unknown: routed)."
+    lhs, rhs, out = shapes
+    if site.kind == 'conv':
+        g = site.extra['groups']
+        if site.extra['transposed']:
+            raw = site.extra['weight_shape']
+            return _prod(lhs[:-1]), lhs and lhs[-1] and lhs[-1] // g, raw and raw[1] * math.prod(raw[2:])
+        return _prod(out[:-1]), rhs and rhs[1], rhs and rhs[0] // g
+    if site.kind == 'expert': return None, rhs and rhs[1], rhs and rhs[0]
+    K = lhs[-1] if lhs else None
+    N = out[-1] if out else None
+    return _prod(out[:-1]) if out else None, K, N
+
+def _prod(shape): return math.prod(shape) if shape is not None and None not in shape else None
+
 # %% ../nbs/01_inject.ipynb #a987eacb
 def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
                         bins:int=64, # histogram bins
                         cache_weights=True, # True: weights sketched outside the graph when their fingerprint (incl. values) changes; 'version': without the value read; False: in the graph, every call
+                        decompose:bool=True, # first write SDPA and `nn.MultiheadAttention` as matmuls (`decompose_attention`)
                        )->fx.GraphModule:
-    "A new `GraphModule` returning `(primary, stats)`, with sketches of every matmul's lhs, rhs and out."
+    "A new `GraphModule` returning `(primary, stats)`, with sketches of every GEMM-like op's lhs, rhs and out."
+    if decompose: gm = decompose_attention(gm)
     sites = matmul_sites(gm)
     if not sites:
         raise ValueError(f"no matmul sites in {type(gm).__name__}: opscope taps nn.Linear, F.linear, matmul/@, mm, "
-                         "bmm, addmm, baddbmm and two-operand einsum, and found none of them in the graph")
+                         "bmm, addmm, baddbmm, two-operand einsum, convolutions and grouped (expert) matmuls, "
+                         "and found none of them in the graph")
     graph = copy.deepcopy(gm.graph)
     new = fx.GraphModule(gm, graph, class_name='Injected' + type(gm).__name__)
     new.meta.update(gm.meta)
@@ -382,23 +763,21 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
     taps, stat_nodes, rows = {}, {}, []
     wc = _static_state(new, gm, bins, cache_weights) if cache_weights else None
     for s in sites:
-        node = by_name[s.node.name]
-        roles = dict(lhs=s.lhs, rhs=s.rhs, out=s.node)
-        shapes = [_meta_shape(s.lhs), _meta_shape(s.rhs) if isinstance(s.rhs, fx.Node) else tuple(gm.get_parameter(s.rhs).shape),
-                  _meta_shape(s.node)]
-        M, K, N = _site_dims(s, gm, shapes)
-        for (role, x), shape in zip(roles.items(), shapes):
-            key = x if isinstance(x, str) else x.name
-            static = _is_static(gm, x) and cache_weights
+        try: roles = _roles(new, graph, gm, s, by_name)
+        except Exception as e: raise RuntimeError(f"cannot tap site {s.name} ({s.node.format_node()}): {e}") from e
+        M, K, N = _site_dims(s, gm, [r[3] for r in roles.values()])
+        for role, (key, x, keep, shape) in roles.items():
+            static = isinstance(x, str) or x.op == 'get_attr'
             if key not in taps:
                 try:
-                    cached = _cache_weight(new, wc, x if isinstance(x, str) else x.target) if static else None
-                    taps[key] = _tap(graph, x if isinstance(x, str) else by_name[x.name], bins, cached)
+                    if keep is not None: taps[key] = _tap_group(graph, taps, x, keep, bins)
+                    else:
+                        cached = _cache_weight(new, wc, x if isinstance(x, str) else x.target) if static and wc is not None else None
+                        taps[key] = _tap(graph, x, bins, cached)
                 except Exception as e:
                     raise RuntimeError(f"cannot tap {role} of site {s.name} ({s.node.format_node()}): {e}") from e
             for st, n in taps[key].items(): stat_nodes[f'{s.name}/{role}/{st}'] = n
-            rows.append(dict(site=s.name, role=role, op=s.op, M=M, K=K, N=N,
-                             numel=math.prod(shape) if shape is not None and None not in shape else None, tensor=key, static=_is_static(gm, x)))
+            rows.append(dict(site=s.name, role=role, op=s.op, M=M, K=K, N=N, numel=_prod(shape), tensor=key, static=static))
     out = next(n for n in reversed(graph.nodes) if n.op == 'output')
     _set_outputs(new, out, out.args[0], stat_nodes)
     graph.lint()
@@ -471,14 +850,18 @@ def _diag_distance(Tq, Tk, device):
 # %% ../nbs/01_inject.ipynb #cb21aa73
 def attn_sketch(p:torch.Tensor, # softmax probabilities
                 dim:int=-1, # the dim the softmax normalized over (the keys)
+                queries:torch.Tensor=None, # optional (batch, queries) mask, 0 at padded query rows (an `attention_mask`)
                )->tuple:
     "Attention statistics of probabilities `p`: a tuple in the order of `ATTN_STATS`."
     p = _bhqk(p.detach(), dim)
     B, H, Tq, Tk = p.shape
     nan_rows = torch.isnan(p.sum(-1))
     p = torch.nan_to_num(p, nan=0.0)
+    if queries is not None and tuple(queries.shape) == (B, Tq): p = p * queries.reshape(B, 1, Tq, 1).to(p.dtype)
     live = torch.sign(p)                                       # 1 where the key is visible to the row
     n_live = live.sum(-1, keepdim=True)
+    row = (n_live > 0).to(p.dtype)                             # rows that see a key: padded / fully masked rows do not count
+    n_rows = row.sum().clamp_min(1)
     uniform = live / n_live.clamp_min(1)
     q_peak = p.amax(-1).reshape(-1)
     entropy = torch.special.entr(p).sum(-1)
@@ -487,7 +870,7 @@ def attn_sketch(p:torch.Tensor, # softmax probabilities
     diag_mass = p.new_zeros(Tk).index_add_(0, dist, p.sum((0, 1)).reshape(-1))
     diag_uniform = p.new_zeros(Tk).index_add_(0, dist, uniform.sum((0, 1)).reshape(-1))
     numel = torch.full((), B * H * Tq * Tk, dtype=p.dtype, device=p.device)
-    return (numel, q_peak.mean(), entropy.mean(), torch.log(n_live.clamp_min(1)).mean(), nan_rows.sum().to(p.dtype),
+    return (numel, q_peak.sum() / n_rows, entropy.sum() / n_rows, torch.log(n_live.clamp_min(1)).sum() / n_rows, nan_rows.sum().to(p.dtype),
             q_peak, head_mass.sum(0), uniform.sum((0, 1, 2)), live.sum((0, 1, 2)), head_mass.reshape(-1), diag_mass, diag_uniform)
 
 # %% ../nbs/01_inject.ipynb #a221934c
@@ -508,7 +891,6 @@ def gate_sketch(topk_out, # the (values, indices) a top-k returns
     return numel, v.amin(), v.amax(), v.mean(), load, mass, v.sum(-1), v.mean(0)
 
 # %% ../nbs/01_inject.ipynb #8c616b25
-SDPA_TARGETS = (F.scaled_dot_product_attention, _aten.scaled_dot_product_attention.default)
 SDPA_RTOL, SDPA_ATOL = 1e-4, 1e-4  # how far a decomposed SDPA graph may differ from the fused one
 
 def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False): pass
@@ -547,9 +929,9 @@ def _decompose_one(graph, node):
     with graph.inserting_before(node):
         kk = add('fn', _sdpa_kv, (k, q, gqa)) if gqa else k
         s = add('fn', torch.matmul, (q, add('method', 'transpose', (kk, -2, -1))))
-        p = add('fn', torch.softmax, (add('fn', _sdpa_mask, (s, q, a['attn_mask'], a['is_causal'], a['scale'])), -1))
+        p = add('fn', _aten._safe_softmax.default, (add('fn', _sdpa_mask, (s, q, a['attn_mask'], a['is_causal'], a['scale'])), -1))
         o = add('fn', torch.matmul, (p, add('fn', _sdpa_kv, (v, q, gqa)) if gqa else v))
-    p.meta['opscope_sdpa'] = True
+    p.meta['opscope_sdpa'] = True   # a safe softmax, as SDPA's own: a row that sees no key is 0, not NaN
     qs, ks, vs = (_meta_shape(x) for x in (q, k, v))
     if qs and ks and vs:   # shapes for the manifest, as meta tensors (no data)
         s.meta['val'] = p.meta['val'] = torch.empty(*qs[:-1], ks[-2], device='meta')
@@ -572,7 +954,8 @@ def decompose_sdpa(gm:fx.GraphModule, # from `trace`; left untouched
 
 # %% ../nbs/01_inject.ipynb #a83f35d7
 SOFTMAX_TARGETS = {torch.softmax: 'softmax', F.softmax: 'softmax', torch.special.softmax: 'softmax',
-                   _aten._softmax.default: 'softmax', _aten.softmax.int: 'softmax'}
+                   _aten._softmax.default: 'softmax', _aten.softmax.int: 'softmax',
+                   _aten._safe_softmax.default: 'softmax'}
 TOPK_TARGETS = {torch.topk: 'topk', _aten.topk.default: 'topk'}
 
 @dataclass
@@ -586,9 +969,6 @@ class InferSite:
     dim: int
 
 # %% ../nbs/01_inject.ipynb #b02be339
-def _arg(node, i, name, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
 def _infer_kind(gm, node):
     "(kind, op, dim) of a softmax / top-k node, else None."
     if node.op == 'call_module':
@@ -648,13 +1028,12 @@ def _insert_infer(graph, site, node, src):
 # %% ../nbs/01_inject.ipynb #58d2d518
 def inject_infer_stats(gm:fx.GraphModule, # from `trace` (or already injected); left untouched
                        taps=INFER_KINDS, # which of 'softmax', 'topk' to tap
-                       decompose:bool=True, # rewrite `scaled_dot_product_attention` so its softmax can be tapped
+                       decompose:bool=True, # rewrite SDPA and `nn.MultiheadAttention` so their softmax can be tapped (`decompose_attention`)
                       )->fx.GraphModule:
     "A new `GraphModule` returning `(primary, stats)` with attention stats at softmax sites and routing stats at top-k sites."
     bad = set(taps) - set(INFER_KINDS)
     if bad: raise ValueError(f"unknown tap kind(s) {', '.join(sorted(bad))}; inject_infer_stats taps {', '.join(INFER_KINDS)}")
-    src = decompose_sdpa(gm) if decompose and 'softmax' in taps and any(
-        n.op == 'call_function' and n.target in SDPA_TARGETS for n in gm.graph.nodes) else gm
+    src = decompose_attention(gm) if decompose and 'softmax' in taps else gm
     sites = infer_sites(src, taps)
     if not sites: raise ValueError(f"no {' or '.join(taps)} sites in {type(gm).__name__}: opscope taps torch.softmax, "
                                    "F.softmax, .softmax, nn.Softmax, scaled_dot_product_attention and torch.topk")

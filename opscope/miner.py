@@ -13,12 +13,12 @@ __all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DE
            'INT4_MIN_SQNR_DB', 'COHERENCE_MIN', 'CROSS_STATS', 'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P',
            'COHERENCE_VN_MAX', 'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX',
            'WINDOW_LIFT', 'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'INFER_EXPLOITS', 'NONFINITE_MAX', 'STEP_STATS',
-           'TAP_RULES', 'CHANNEL_RULES', 'CROSS_RULES', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING', 'RANK_COLUMNS',
-           'crest_nz', 'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'rule_sparse', 'rule_quant', 'rule_spiky',
-           'rule_tokens', 'rule_coherence', 'rule_deep_dump', 'rule_dead_channels', 'rule_outlier_channels',
-           'cross_step', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction',
-           'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'drop_nonfinite_steps', 'rule_nonfinite',
-           'rule_constant', 'mine', 'confirm_low_rank', 'planted_check']
+           'TAP_RULES', 'CHANNEL_RULES', 'CROSS_RULES', 'MASK_VETO', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING',
+           'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'rule_sparse', 'rule_quant',
+           'rule_spiky', 'rule_tokens', 'rule_coherence', 'rule_deep_dump', 'rule_dead_channels',
+           'rule_outlier_channels', 'cross_step', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink',
+           'rule_kv_eviction', 'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'drop_nonfinite_steps',
+           'rule_nonfinite', 'rule_constant', 'mine', 'confirm_low_rank', 'planted_check']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
@@ -518,7 +518,26 @@ def _mine_pandas(df):
     if len(base):
         f, cs = tap_features(base), cross_step(base)
         parts = [r(f) for r in TAP_RULES] + parts + [r(cs) for r in CROSS_RULES]
-    return _collect(parts, cs, st)
+    return _drop_masked(_collect(parts, cs, st), df)
+
+MASK_VETO = ('sparse-gemm', 'dead-channels', 'channel-outliers')   # what masked probabilities would fake
+
+def _prob_operands(df):
+    "(run_id, site) of matmul taps whose lhs is an attention tap's probabilities: same module path and numel at a step."
+    n = df[(df.stat == 'numel') & df.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'value']]
+    n = n.assign(run_id=n.run_id.astype(str), site=n.site.astype(str), role=n.role.astype(str))
+    n = n.assign(path=n.site.str.rsplit('.', n=1).str[0])
+    j = n[n.role == 'lhs'].merge(n[n.role == 'attn'][['run_id', 'path', 'step', 'value']], on=['run_id', 'path', 'step', 'value'])
+    return set(zip(j.run_id, j.site))
+
+def _drop_masked(out, df):
+    "Drop sparsity / dead-channel / outlier findings on attention probabilities: their zeros are the mask's (padding, causal)."
+    probs = _prob_operands(df)
+    if not probs or out.empty: return out
+    hit = out.exploit.isin(MASK_VETO) & (out.role == 'lhs') & pd.Series([k in probs for k in zip(out.run_id, out.site)], index=out.index)
+    kept = out[~hit].reset_index(drop=True)
+    kept.attrs = out.attrs
+    return kept
 
 def _check_ranks(df):
     "Refuse rows where one (run_id, step) comes from two ranks: shards must record global step indices."

@@ -12,11 +12,11 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
-from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS
+from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch
 
 # %% auto #0
 __all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'SWEEP_SHAPES', 'decode_stats', 'Recorder',
-           'read_sketches', 'record', 'sweep']
+           'read_sketches', 'eager_gate', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #ad2ba961
 SCHEMA = ['run_id', 'step', 'backend', 'dist', 'M', 'K', 'N', 'numel', 'site', 'role', 'stat', 'idx', 'value']
@@ -269,7 +269,49 @@ def _inject(gm, taps, bins):
     if infer and (has_sdpa or infer_sites(gm, infer)): inj = inject_infer_stats(gm, infer)
     if 'matmul' in taps and (inj is gm or matmul_sites(inj)): inj = inject_matmul_stats(inj, bins=bins)
     if inj is gm: raise ValueError(f"no {' or '.join(taps)} sites in {type(gm).__name__}")
+    return _mask_queries(inj)
+
+def _mask_queries(inj):
+    "Pass the graph's `attention_mask` input (if any) to every attention tap, so padded query rows are not counted."
+    mask = next((n for n in inj.graph.nodes if n.op == 'placeholder' and n.target == 'attention_mask'), None)
+    taps = [n for n in inj.graph.nodes if n.op == 'call_function' and n.target is attn_sketch and 'queries' not in n.kwargs]
+    if mask is None or not taps: return inj
+    for n in taps: n.kwargs = {**n.kwargs, 'queries': mask}
+    inj.graph.lint(); inj.recompile()
     return inj
+
+# %% ../nbs/02_recorder.ipynb #b925b84b
+def _first_float(x):
+    return next((t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+def _decomposed(gm, inj):
+    "How many ops opscope decomposed between the traced graph `gm` and the injected `inj`."
+    return inj.meta.get('opscope_sdpa', 0) - getattr(gm, 'meta', {}).get('opscope_sdpa', 0)
+
+def eager_gate(reference, # () -> the eager model's output on the step's inputs
+               injected, # () -> (primary, stats) of the injected graph on the same inputs
+               decomposed:int=0, # ops opscope decomposed (SDPA): compare within SDPA_RTOL/ATOL instead of bit for bit
+               step:int=0, # the step, for the messages
+              ):
+    "`injected()`, checked against `reference()`: raise if the trace does not reproduce the model; warn on a constant output."
+    with torch.no_grad():
+        ref = reference()
+        got, stats = injected()
+    if not _same(ref, got, (SDPA_RTOL, SDPA_ATOL) if decomposed else None):
+        a, b = _first_float(ref), _first_float(got)
+        diff = f" (max |difference| {(a - b).abs().max().item():.3g})" if a is not None and b is not None and a.shape == b.shape else ""
+        raise AssertionError(
+            f"correctness gate failed at step {step}: the traced graph does not reproduce the eager model{diff}"
+            + (f" beyond rtol={SDPA_RTOL}, atol={SDPA_ATOL} ({decomposed} SDPA call(s) decomposed)" if decomposed else "")
+            + ". A trace freezes one path through forward: a branch on Python state (a call counter, a flag, an "
+              "attribute set during a call) or on data (`if x.sum() > 0`) is replayed, not re-evaluated. Write the "
+              "branch as a tensor op (torch.where) or keep the state out of forward.")
+    a = _first_float(ref)
+    if a is not None and a.numel() and bool((a == a.reshape(-1)[0]).all()):
+        warnings.warn(f"correctness gate at step {step}: the model's output is constant ({a.reshape(-1)[0].item():g} "
+                      "everywhere), so the gate proves nothing about the graph; check the inputs and the weights")
+    return got, stats
+
 
 # %% ../nbs/02_recorder.ipynb #10581c41
 def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
@@ -305,7 +347,8 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
             if step is None: raise ValueError(f"step_ids ran out after {i} steps; give one step index per batch")
             args, kwargs = _call_args(batch)
             with torch.no_grad():
-                if i == 0 or gate_every: _, stats = gate(gm, inj, *args, **kwargs)
+                if i == 0 or gate_every: _, stats = eager_gate(lambda: model(*args, **kwargs), lambda: inj(*args, **kwargs),
+                                                               _decomposed(gm, inj), step=int(step))
                 else: _, stats = run(*args, **kwargs)
             df = decode_stats(stats, run_id=run_id, step=int(step), backend=_device(args, kwargs), dist=dist)
             if rec is not None: rec.write(df)

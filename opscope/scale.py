@@ -228,7 +228,8 @@ def mine_duckdb(src, # a Parquet dataset directory, a .parquet / .csv sketches f
             f, cs = _features_sql(con), _cross_sql(con)
             parts = [r(f) for r in _m.TAP_RULES] + parts + [r(cs) for r in _m.CROSS_RULES]
         st = _m._step_frame(_q(con, "SELECT * FROM steps", _m.KEYS + ['step']))
-        return _m._collect(parts, cs, st)
+        numel = con.execute("SELECT run_id, site, role, step, stat, value FROM sk WHERE stat = 'numel' AND role IN ('attn', 'lhs')").df()
+        return _m._drop_masked(_m._collect(parts, cs, st), numel)   # as mine: masked probabilities are not structure
     except duckdb.Error as e: raise ValueError(f"{name}: DuckDB could not mine it: {str(e).splitlines()[0]}") from None
     finally: con.close()
 

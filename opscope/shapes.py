@@ -11,12 +11,15 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+import torch.fx._pytree as fx_pytree
+from . import zoo
+from .inject import trace, decompose_attention, matmul_sites, site_names, expert_site
 
 # %% auto #0
-__all__ = ['NORM_OPS', 'SOFTMAX_OPS', 'REDUCE_OPS', 'MEMORY_OPS', 'FREE_OPS', 'SDPA_OPS', 'UNCOSTED_OPS', 'NORM_FLOPS',
-           'SOFTMAX_FLOPS', 'COST_COLUMNS', 'GEMM_KINDS', 'ZOO_MODELS', 'op_costs', 'measure_machine', 'roofline',
-           'roofline_totals', 'gemm_histogram', 'torchvision_models', 'shapes_model', 'published_gmacs',
-           'shapes_report']
+__all__ = ['NORM_OPS', 'SOFTMAX_OPS', 'REDUCE_OPS', 'MEMORY_OPS', 'FREE_OPS', 'SDPA_OPS', 'UNCOSTED_OPS', 'GROUPED_OPS',
+           'NORM_FLOPS', 'SOFTMAX_FLOPS', 'COST_COLUMNS', 'GEMM_KINDS', 'COVERAGE_MIN', 'ZOO_MODELS', 'op_costs',
+           'coverage', 'tapped_share', 'coverage_warning', 'measure_machine', 'roofline', 'roofline_totals',
+           'gemm_histogram', 'torchvision_models', 'shapes_model', 'published_gmacs', 'shapes_report']
 
 # %% ../nbs/06_shapes.ipynb #a9955c56
 NORM_OPS = {'native_layer_norm', 'native_batch_norm', '_native_batch_norm_legit', '_native_batch_norm_legit_no_training',
@@ -41,6 +44,7 @@ UNCOSTED_OPS = {'_transformer_encoder_layer_fwd': 'the nn.TransformerEncoderLaye
                 'run with torch.backends.mha.set_fastpath_enabled(False) to see its ops',
                 '_flash_attention_forward': 'a fused attention kernel in (batch, tokens, heads) layout',
                 '_efficient_attention_forward': 'a fused attention kernel in (batch, tokens, heads) layout'}
+GROUPED_OPS = {'_grouped_mm', 'grouped_mm', 'grouped_mm_fallback'}  # grouped (per-expert) matmuls: (S, K) × (E, K, N)
 NORM_FLOPS, SOFTMAX_FLOPS = 5, 5  # FLOPs per element: mean, variance, subtract, scale, shift / max, subtract, exp, sum, divide
 
 # %% ../nbs/06_shapes.ipynb #d0c1f9fd
@@ -64,6 +68,15 @@ def _matmul_rows(name, args, out):
         return [_gemm(name, 'matmul', 1, a.shape[0], a.shape[1], b.shape[1], nb)]
     a, b = (args[0], args[1]) if name == 'bmm' else (args[1], args[2])
     return [_gemm(name, 'matmul', a.shape[0], a.shape[1], a.shape[2], b.shape[2], nb)]
+
+def _grouped_rows(name, args, kwargs, out):
+    "One GEMM row per expert of a grouped matmul, M = the rows its offsets give it (one row of all rows on `meta`)."
+    x, w = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get('offs')
+    K, N, es = w.shape[-2], w.shape[-1], x.element_size()
+    if offs is None or offs.device.type == 'meta': return [_gemm(name, 'matmul', 1, x.shape[0], K, N, _nbytes(args, out))]
+    counts = torch.diff(offs.detach().cpu().long(), prepend=offs.new_zeros(1).cpu().long()).tolist()
+    return [dict(_gemm(name, 'matmul', 1, c, K, N, (c * (K + N) + K * N) * es), expert=e) for e, c in enumerate(counts)]
 
 def _conv_rows(name, args, out):
     x, w = args[0], args[1]
@@ -102,6 +115,7 @@ def _op_rows(func, args, kwargs, out):
     if func.is_view or name in FREE_OPS: return []
     if name in ('mm', 'addmm', 'bmm', 'baddbmm'): return _matmul_rows(name, args, out)
     if name in ('convolution', '_convolution'): return _conv_rows(name, args, out)
+    if name in GROUPED_OPS: return _grouped_rows(name, args, kwargs, out)
     if name in SDPA_OPS: return _sdpa_rows(name, args, out)
     if name == '_native_multi_head_attention': return _mha_rows(name, args, out)
     nb = _nbytes(args, kwargs, out)
@@ -120,7 +134,9 @@ class _CostMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        for r in _op_rows(func, args, kwargs, out): self.rows.append({'site': self.site(), **r})
+        for r in _op_rows(func, args, kwargs, out):
+            e = r.pop('expert', None)
+            self.rows.append({'site': self.site() if e is None else expert_site(self.site(), e), **r})
         return out
 
 def _module_stack(model):
@@ -134,10 +150,13 @@ def _module_stack(model):
     return stack, handles
 
 class _NodeSites(torch.fx.Interpreter):
-    "Run a GraphModule, exposing the site name of the node being run."
+    "Run a GraphModule, exposing the site name of the node being run (`inject.site_names` for GEMM-like nodes)."
     current = ''
+    def __init__(self, gm):
+        super().__init__(gm); self.names = site_names(gm)
     def run_node(self, n):
-        if n.op == 'call_module': self.current = n.target
+        if n.name in self.names: self.current = self.names[n.name]
+        elif n.op == 'call_module': self.current = n.target
         else:
             st = n.meta.get('nn_module_stack')
             path = list(st.values())[-1][0] if st else ''
@@ -148,6 +167,11 @@ class _NodeSites(torch.fx.Interpreter):
 COST_COLUMNS = ['site', 'op', 'kind', 'batch', 'M', 'K', 'N', 'flops', 'macs', 'bytes', 'intensity']
 GEMM_KINDS = ('matmul', 'conv', 'attention')
 
+def _in_spec(gm):
+    "The input pytree spec of a `torch.export` module (which takes keywords), else None."
+    info = getattr(gm.graph._codegen, 'pytree_info', None)
+    return None if info is None else info.in_spec
+
 def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`; may live on the `meta` device
              *inputs, # its positional inputs (on the model's device; meta tensors count without computing)
              **kwargs, # its keyword inputs
@@ -155,9 +179,10 @@ def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`
     "One row per ATen op a forward runs: `site, op, kind, batch, M, K, N, flops, macs, bytes, intensity`."
     m = model_or_gm
     if isinstance(m, torch.fx.GraphModule):
-        if kwargs: raise ValueError(f"a GraphModule takes positional inputs only; got keywords {', '.join(kwargs)}")
-        interp = _NodeSites(m)
-        mode, run, handles = _CostMode(lambda: interp.current), lambda: interp.run(*inputs), []
+        interp, spec = _NodeSites(m), _in_spec(m)
+        if kwargs and spec is None: raise ValueError(f"a GraphModule takes positional inputs only; got keywords {', '.join(kwargs)}")
+        flat = inputs if spec is None else fx_pytree.tree_flatten_spec((inputs, kwargs), spec)
+        mode, run, handles = _CostMode(lambda: interp.current), lambda: interp.run(*flat, enable_io_processing=spec is None), []
     else:
         stack, handles = _module_stack(m)
         mode, run = _CostMode(lambda: stack[-1] if stack else ''), lambda: m(*inputs, **kwargs)
@@ -168,6 +193,40 @@ def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`
     df = pd.DataFrame(mode.rows, columns=COST_COLUMNS[:-1])
     df['intensity'] = df.flops / df.bytes.where(df.bytes > 0)
     return df[COST_COLUMNS]
+
+# %% ../nbs/06_shapes.ipynb #62cd809b
+COVERAGE_MIN = 0.99  # below this share of GEMM FLOPs tapped, `record` warns (see the table below: real models reach 1.0)
+
+def coverage(model:nn.Module, # an `nn.Module`, or a `GraphModule` from `trace`
+             *inputs, # its positional inputs
+             **kwargs, # its keyword inputs
+            )->pd.DataFrame:
+    "One row per GEMM-like op of the traced graph: `site` (inject's name), `op`, `flops` (from `op_costs`) and whether it is `tapped`."
+    gm = model if isinstance(model, torch.fx.GraphModule) else trace(model, *inputs, **kwargs)
+    gm = decompose_attention(gm)   # what inject_matmul_stats taps
+    sites = matmul_sites(gm)
+    tapped = {s.name for s in sites} | {s.name.rsplit('.expert', 1)[0] for s in sites if s.kind == 'expert'}  # a bmm of gathered experts
+    c = op_costs(gm, *inputs, **kwargs)
+    g = c[c.kind.isin(GEMM_KINDS)]
+    return pd.DataFrame({'site': g.site, 'op': g.op, 'flops': g.flops, 'tapped': g.site.isin(tapped)}).reset_index(drop=True)
+
+def tapped_share(cov:pd.DataFrame)->float:
+    "The share of `cov`'s GEMM FLOPs that opscope taps (1.0 for a graph without GEMMs)."
+    total = cov.flops.sum()
+    return float(cov.flops[cov.tapped].sum() / total) if total else 1.0
+
+def coverage_warning(cov:pd.DataFrame, # from `coverage`
+                     min_share:float=COVERAGE_MIN, # warn below this tapped share
+                     top:int=5, # untapped ops to name
+                    )->str|None:
+    "One line naming the untapped ops and their FLOP share when less than `min_share` of the FLOPs is tapped, else None."
+    share = tapped_share(cov)
+    if share >= min_share: return None
+    miss = cov[~cov.tapped].groupby('site', sort=False).agg(flops=('flops', 'sum'), ops=('op', lambda o: ' + '.join(dict.fromkeys(o))))
+    miss = miss.sort_values('flops', ascending=False)
+    named = ', '.join(f'{s} ({r.ops}: {r.flops / cov.flops.sum():.1%})' for s, r in miss.head(top).iterrows())
+    more = f' and {len(miss) - top} more' if len(miss) > top else ''
+    return f"opscope taps {share:.1%} of the GEMM FLOPs (< {min_share:.0%}); untapped: {named}{more}"
 
 # %% ../nbs/06_shapes.ipynb #0dc2216b
 def _sync(device):
@@ -247,7 +306,6 @@ def shapes_model(name:str, # a zoo model (`ZOO_MODELS`) or a torchvision classif
                  device=None, # device for torchvision models (default `meta`: shapes only)
                 )->tuple:
     "(model, inputs) for a zoo model with its seeded example input or a torchvision classifier at its crop size."
-    from opscope import zoo
     if name in ZOO_MODELS:
         m = {'mlp': zoo.mlp, 'transformer': zoo.transformer, 'moe': zoo.moe, 'mnist': zoo.mnist_mlp}[name]()
         return m, (zoo.example_input(m, batch=batch),)
