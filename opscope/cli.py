@@ -161,6 +161,9 @@ def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
     rec = Recorder(p, dataset=dataset)
     old = signal.signal(signal.SIGTERM, _on_sigterm)
     try: yield rec
+    except OSError as e:                         # a full disk mid-run: say where
+        if e.filename is None: raise OSError(e.errno, e.strerror, str(out)) from None
+        raise
     except (KeyboardInterrupt, _Terminated) as e:
         rec.close()
         print(f"{prog}: interrupted: kept {rec.steps} finished step{'s' * (rec.steps != 1)} in {out}", file=sys.stderr)
@@ -376,6 +379,9 @@ def opscope_docs_preview(out_dir:str, # folder for the HTML pages (created; page
         from opscope.docs import docs_preview
         out = Path(out_dir)
         if out.exists() and not out.is_dir(): raise CliError(f"{out_dir} exists and is not a folder")
+        base = next(p for p in [out, *out.parents] if p.exists())
+        if not base.is_dir(): raise CliError(f"{out_dir}: {base} is a file, so the folder cannot be made")
+        _probe_writable(base)
         made = docs_preview(out, pages=[p.strip() for p in pages.split(',') if p.strip()] or None)
         w = max(len(p.name) for p in made)
         for p in made: print(f"{p.name:<{w}}  {p.stat().st_size / 1e3:6.0f} kB")

@@ -140,7 +140,9 @@ class Recorder:
             self._log.close(); self._log = None; self.commit.unlink(missing_ok=True)
         if self.fmt == 'parquet' and self.parts.exists():
             tmp = self.path.with_name(f'.{self.path.name}.tmp')
-            _combine_parts(self.parts, tmp)
+            try: _combine_parts(self.parts, tmp)
+            except BaseException:            # a full disk, a second Ctrl-C: the parts stay, and the reader finds them
+                tmp.unlink(missing_ok=True); raise
             os.replace(tmp, self.path)
             shutil.rmtree(self.parts)
     def __enter__(self): return self
