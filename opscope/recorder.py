@@ -411,20 +411,3 @@ def sweep(sink=None, # a `Recorder` or a .csv/.parquet path (or None: rows in me
     finally:
         if own: rec.close()
     return pd.concat(frames, ignore_index=True) if keep else summary
-
-# %% ../nbs/02_recorder.ipynb #3bda8e73
-def _kill_child(path, steps_before_kill):
-    "Run a recording in a child process that kills itself after `steps_before_kill` steps."
-    code = textwrap.dedent(f"""
-        import os, signal
-        from opscope.zoo import transformer, example_input
-        from opscope.recorder import record, Recorder
-        m = transformer(layers=1)
-        class Killing(Recorder):
-            def write(self, df):
-                super().write(df)
-                if self.steps == {steps_before_kill}: os.kill(os.getpid(), signal.SIGKILL)
-        record(m, (example_input(m, seed=s) for s in range(10)), sink=Killing({str(path)!r}))
-    """)
-    import subprocess, sys
-    return subprocess.run([sys.executable, '-c', code], capture_output=True).returncode
