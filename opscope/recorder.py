@@ -96,19 +96,20 @@ class Recorder:
             raise InputError(f"{self.path}: sinks are .csv or .parquet files, or a dataset directory (a path without extension), not {self.path.suffix!r}")
         self.parts = self.path.with_name(self.path.name + '.parts')
         self.commit = self.path.with_name(self.path.name + COMMIT_SUFFIX)
-        self.steps, self.rows, self._f, self._log, self._dirs, self._end = 0, 0, None, None, set(), 0
+        self.steps, self.rows, self._f, self._log, self._dirs, self._end, self._opened = 0, 0, None, None, set(), 0, False
     def write(self, df:pd.DataFrame):
         "Append one step's rows and make them durable (committed where `read_sketches` looks) before returning."
-        if self.steps == 0: self._open()
+        if not self._opened: self._open()
         if self.fmt == 'dataset': self._write_dataset(df)
         else:
             if self.rank is not None: df = df.assign(rank=np.int64(self.rank))
-            if self.fmt == 'csv': self._write_csv(df)
-            else: _write_step(df, self.parts / f'part-{self.steps:06d}.parquet')
-        self.steps += 1; self.rows += len(df)
+            if self.fmt == 'csv': return self._write_csv(df)     # counts the step where it commits it
+            _write_step(df, self.parts / f'part-{self.steps:06d}.parquet')
+        self.steps, self.rows = self.steps + 1, self.rows + len(df)
     def _open(self):
         "Start a new recording at `path`: whatever an earlier one left there is removed first, so stale steps never mix with new ones."
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._opened = True
         if self.fmt == 'dataset':
             self.path.mkdir(exist_ok=True)
             if self.rank is None:   # a single writer owns the whole dataset; ranks each clear their own partition
@@ -122,7 +123,7 @@ class Recorder:
     def _write_csv(self, df):
         buf = df.to_csv(None, header=self.steps == 0, index=False, float_format='%.9g', lineterminator='\n').encode()
         self._f.write(buf); self._f.flush(); os.fsync(self._f.fileno())
-        self._end += len(buf)
+        self._end, self.steps, self.rows = self._end + len(buf), self.steps + 1, self.rows + len(df)   # no signal lands between these
         self._log.write(f"{self._end}\t{len(df)}\t{zlib.crc32(buf):08x}\t{_step_name(df)}\n")
         self._log.flush(); os.fsync(self._log.fileno())
     def _write_dataset(self, df):
@@ -138,7 +139,10 @@ class Recorder:
                 self._f.truncate(self._end); self._f.flush(); os.fsync(self._f.fileno())
             self._f.close(); self._f = None
             self._log.close(); self._log = None; self.commit.unlink(missing_ok=True)
+        if self.fmt == 'dataset' and self._dirs:     # what is in place, even if a signal came between a rename and the count
+            self.steps = sum(len(_part_files(d)) for d in self._dirs)
         if self.fmt == 'parquet' and self.parts.exists():
+            self.steps = len(_part_files(self.parts))
             tmp = self.path.with_name(f'.{self.path.name}.tmp')
             try: _combine_parts(self.parts, tmp)
             except BaseException:            # a full disk, a second Ctrl-C: the parts stay, and the reader finds them

@@ -95,7 +95,6 @@ def killed_runs(tmp_path_factory):
             sig = SIGNALS[(i + j) % 3]
             out = _out(d, name, fmt)
             jobs.append(dict(name=name, fmt=fmt, sig=sig, out=out, proc=_spawn(fn, out, long_args, 0.05), sent=None))
-    ref_rows = _clean_runs()                                     # while the children start
     deadline = time.monotonic() + 240
     while any(j['sent'] is None for j in jobs) and time.monotonic() < deadline:
         for j in jobs:
@@ -107,7 +106,7 @@ def killed_runs(tmp_path_factory):
         if j['sent'] is None: j['proc'].kill()
         j['stdout'], j['stderr'] = j['proc'].communicate(timeout=120)
         j['rc'] = j['proc'].returncode
-    return jobs, ref_rows
+    return jobs, _clean_runs()
 
 
 @pytest.mark.parametrize('k', range(len(LONG) * len(FORMATS)))
@@ -121,6 +120,7 @@ def test_killed_cli_keeps_every_finished_step(killed_runs, k):
     df, warned = _read(j['out'])
     steps = _rows_per_step(df)
     assert len(steps) >= MIN_STEPS, what
+    print(f"{what}: {len(steps)} whole steps kept ({steps.sum():,} rows)")
     for (run, step), n in steps.items():          # every step whole: the rows of the same step in a clean run
         assert n == _expected(ref[j['name']], run, step), f"{what}: {run} step {step} has {n} rows"
     assert len(warned) <= 1 and all('torn' in w or 'interrupted run' in w for w in warned), warned
@@ -317,4 +317,5 @@ def test_rss_flat_over_1000_steps(tmp_path):
     rss.append(proc.memory_info().rss)
     assert r.steps == 1000 and len(read_sketches(tmp_path / 'long.csv')) == r.rows
     growth = (rss[-1] - rss[0]) / 2**20
+    print(f"RSS over 1,000 steps: {rss[0] / 2**20:.0f} → {rss[-1] / 2**20:.0f} MiB ({growth:+.1f} MiB)")
     assert growth < 64, f"RSS grew {growth:.1f} MiB over 1,000 steps: {[round(x / 2**20) for x in rss]}"
