@@ -4,38 +4,59 @@
 
 # %% ../nbs/09_cli.ipynb #d15a85aa
 from __future__ import annotations
-import contextlib, os, sys, tempfile
+import contextlib, linecache, os, signal, sys, tempfile
 from pathlib import Path
 from fastcore.script import call_parse, Param
+import opscope
+from .recorder import Recorder, InputError, COMMIT_SUFFIX, record
 
 # %% auto #0
-__all__ = ['EXPECTED_ERRORS', 'CliError', 'cli_errors', 'atomic_output', 'opscope_probe', 'opscope_shapes', 'opscope_sweep',
-           'format_findings', 'opscope_mine', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow',
-           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record']
+__all__ = ['EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX',
+           'SWEEP_MAX_STEPS', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS',
+           'CliError', 'cli_errors', 'atomic_output', 'opscope_probe', 'opscope_shapes', 'check_recording_out',
+           'recording', 'check_whole_out', 'in_range', 'positive', 'opscope_sweep', 'format_findings', 'opscope_mine',
+           'record_to', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph',
+           'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record']
 
 # %% ../nbs/09_cli.ipynb #3615fb9d
 class CliError(Exception):
     "An expected command-line failure: printed as one line, exit code 2."
 
-EXPECTED_ERRORS = (CliError, FileNotFoundError, IsADirectoryError, PermissionError, ValueError, KeyError,
-                   ImportError, NotImplementedError)
+EXPECTED_ERRORS = (CliError, InputError, OSError, ImportError, NotImplementedError)   # input and environment, never a bug
+
+def _raised_by_opscope(e:BaseException)->bool:
+    "True for a `ValueError`/`KeyError` that an explicit `raise` in opscope's own code threw (an input check), not one from a library or a lookup."
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None: tb = tb.tb_next
+    if tb is None: return False
+    f = tb.tb_frame.f_code.co_filename
+    return Path(f).resolve().parent == _PKG and 'raise ' in linecache.getline(f, tb.tb_lineno)
+
+_PKG = Path(opscope.__file__).resolve().parent
+
+def _message(e:BaseException)->str:
+    "The one line printed for an expected error: an OS error as `path: reason`."
+    if isinstance(e, OSError) and e.strerror:
+        where = ' → '.join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{where}: {e.strerror}" if where else e.strerror
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"missing {msg}" if isinstance(e, KeyError) else msg
 
 @contextlib.contextmanager
 def cli_errors(prog:str): # the command's name, printed before the message
-    "Turn expected failures inside the block into one line on stderr and `SystemExit(2)`."
+    "Turn input and environment failures inside the block into one line on stderr and `SystemExit(2)`; a bug keeps its traceback."
     try: yield
     except BrokenPipeError:                       # `opscope-mine x.csv | head`: the reader left, not an error
         sys.stderr.close(); raise SystemExit(0)
-    except EXPECTED_ERRORS as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, KeyError): msg = f"missing {msg}"
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+    except (ValueError, KeyError) + EXPECTED_ERRORS as e:
+        if not isinstance(e, EXPECTED_ERRORS) and not _raised_by_opscope(e): raise
+        print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 # %% ../nbs/09_cli.ipynb #01e7c03f
 @contextlib.contextmanager
 def atomic_output(path): # the file the block produces
-    "Yield a temporary path next to `path`; move it into place only if the block completes."
+    "Yield a temporary path next to `path`; move it into place (fsynced) only if the block completes: for small whole files, never a recording stream."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix=path.suffix, dir=path.parent)
@@ -44,11 +65,15 @@ def atomic_output(path): # the file the block produces
     os.chmod(tmp, 0o666 & ~umask)        # mkstemp makes 0600; the result should look like any new file
     try:
         yield Path(tmp)
+        with open(tmp, 'rb') as f: os.fsync(f.fileno())   # durable before it takes the name
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp): os.unlink(tmp)
 
 # %% ../nbs/09_cli.ipynb #617c831f
+PROBE_MAX_BATCH = dict(mnist=5000, minilm=8, transformer=4096)
+PROBE_WHY = dict(mnist="images of the offline MNIST subset", minilm="the example sentences", transformer="tokens; activations are dumped whole")
+
 @call_parse
 def opscope_probe(model:str='mnist', # mnist, minilm or transformer
                   dump:str=None, # also save the probed tensors to this .safetensors file
@@ -59,7 +84,10 @@ def opscope_probe(model:str='mnist', # mnist, minilm or transformer
     "Probe a model's weights and activations (effective rank, rank at 99% energy, 2:4, int8/int4 SQNR, distinct values), or close a sweep's deep-dump pointers."
     with cli_errors('opscope-probe'):
         if sweep: return _probe_sweep(sweep, seed)
-        from opscope.probe import model_tensors, probe, probe_report, save_tensors
+        from opscope.probe import model_tensors, probe, probe_report, save_tensors, PROBE_MODELS
+        if model not in PROBE_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(PROBE_MODELS)}")
+        in_range('--batch', batch, 1, PROBE_MAX_BATCH[model], PROBE_WHY[model])
+        if dump: check_whole_out(dump, '.safetensors')
         ts = model_tensors(model, batch)
         if dump:
             with atomic_output(dump) as tmp: save_tensors(tmp, ts)
@@ -83,6 +111,8 @@ def _probe_sweep(path, seed):
     print(f"{(found.exploit == 'deep-dump').sum()} deep-dump pointers: {len(lr)} confirmed low-rank, {len(back)} retracted")
 
 # %% ../nbs/09_cli.ipynb #3a9abdd0
+SHAPES_MAX_BATCH = 4096
+
 @call_parse
 def opscope_shapes(model:Param('mlp, transformer, moe, mnist, or a torchvision classifier (resnet50, vit_b_16, ...)',
                                str, opt=False, nargs='?')='transformer',
@@ -94,31 +124,121 @@ def opscope_shapes(model:Param('mlp, transformer, moe, mnist, or a torchvision c
     "Per-op FLOPs, bytes and intensity of a model, its roofline on this machine, and its hot GEMM shapes."
     with cli_errors('opscope-shapes'):
         from opscope.shapes import shapes_model, op_costs, roofline, shapes_report
+        in_range('--batch', batch, 1, SHAPES_MAX_BATCH, "zoo models run one real forward at this batch")
+        in_range('--top', top, 1)
+        if peak_flops is not None: positive('--peak_flops', peak_flops, "FLOP/s")
+        if bandwidth is not None: positive('--bandwidth', bandwidth, "bytes/s")
         m, inputs = shapes_model(model, batch)
         print(shapes_report(roofline(op_costs(m, *inputs), peak_flops, bandwidth), top))
 
 # %% ../nbs/09_cli.ipynb #2b37da4e
-def _check_out_path(out):
+RECORDING_SUFFIXES = ('.csv', '.parquet')    # or a dataset directory: a trailing `/` or no extension
+
+def _probe_writable(folder:Path):
+    "Create and remove a file in `folder`, so an unwritable output fails before any work, naming the folder."
+    try:
+        with tempfile.TemporaryFile(dir=folder): pass
+    except OSError as e: raise CliError(f"{folder}: cannot write there ({e.strerror or e})") from None
+
+def _leftovers(p:Path)->list:
+    "What an earlier recording left at `p`: the file or dataset, its parts folder, its commit log."
+    extra = [p.with_name(p.name + s) for s in ('.parts', COMMIT_SUFFIX)]
+    return [q for q in [p] + extra if q.exists() and not (q.is_dir() and not any(q.iterdir()))]
+
+def check_recording_out(out:str, # the recording CLI's OUT argument
+                        force:bool=False, # replace what is there instead of refusing
+                       )->tuple:
+    "`(path, is_dataset)` for a recording's OUT, refused up front when it cannot be written or (without `force`) already exists."
     p = Path(out)
-    if p.suffix.lower() not in ('.csv', '.parquet'): raise CliError(f"{out}: output must be a .csv or .parquet file")
-    if p.parent != Path('') and not p.parent.is_dir(): raise CliError(f"{out}: folder {p.parent} does not exist")
+    dataset = out.endswith(('/', os.sep)) or p.suffix == '' or p.is_dir()
+    if not dataset and p.suffix.lower() not in RECORDING_SUFFIXES:
+        raise CliError(f"{out}: output must be a .csv or .parquet file, or a dataset directory (a trailing / or no extension)")
+    parent = p.parent if p.parent != Path('') else Path('.')
+    if not parent.is_dir(): raise CliError(f"{out}: folder {parent} does not exist")
+    old = _leftovers(p)
+    if old and not force: raise CliError(f"{out} already exists ({', '.join(q.name for q in old)}); pass --force to replace it")
+    if dataset and p.is_dir():
+        alien = [q.name for q in p.iterdir() if not q.name.startswith(('.', '_', 'run_id='))]
+        if alien: raise CliError(f"{out}: a folder that is not an opscope dataset (holds {alien[0]}); choose another OUT")
+    elif p.exists() and not p.is_file(): raise CliError(f"{out} exists and is not a file")
+    _probe_writable(parent)
+    if dataset and p.is_dir(): _probe_writable(p)
+    return p, dataset
+
+class _Terminated(BaseException):
+    "SIGTERM, raised in the main thread so the recording closes like on Ctrl-C."
+
+def _on_sigterm(signum, frame): raise _Terminated()
+
+@contextlib.contextmanager
+def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
+              prog:str, # the command's name, for the interrupt message
+              force:bool=False, # replace an existing OUT
+             ):
+    "A `Recorder` streaming into OUT (checked first): Ctrl-C or SIGTERM closes it, keeping every finished step, and exits with one line."
+    p, dataset = check_recording_out(out, force)
+    rec = Recorder(p, dataset=dataset)
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try: yield rec
+    except OSError as e:                         # a full disk mid-run: say where
+        if e.filename is None: raise OSError(e.errno, e.strerror, str(out)) from None
+        raise
+    except (KeyboardInterrupt, _Terminated) as e:
+        rec.close()
+        print(f"{prog}: interrupted: kept {rec.steps} finished step{'s' * (rec.steps != 1)} in {out}", file=sys.stderr)
+        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
+    finally:
+        rec.close()
+        signal.signal(signal.SIGTERM, old)
+
+def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_output`
+                    suffix:str='.csv', # the extension it must have
+                   )->Path:
+    "OUT for a findings or plan table, refused up front when it has the wrong extension or its folder cannot be written."
+    p = Path(out)
+    if p.suffix.lower() != suffix: raise CliError(f"{out}: --out must be a {suffix} file")
+    parent = p.parent if p.parent != Path('') else Path('.')
+    if not parent.is_dir(): raise CliError(f"{out}: folder {parent} does not exist")
+    if p.is_dir(): raise CliError(f"{out} is a folder, not a {suffix} file")
+    _probe_writable(parent)
     return p
 
+def in_range(name:str, # the argument, as the user types it (`--steps`, `LAYERS`)
+             value, lo=None, hi=None, # inclusive bounds (None: open)
+             why:str='', # what the bound protects, shown with it
+            ):
+    "`value`, or a `CliError` that states the allowed range and why."
+    import math
+    if isinstance(value, float) and not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = (f"{lo:,} to {hi:,}" if lo is not None and hi is not None else f"at least {lo:,}" if lo is not None else f"at most {hi:,}")
+        raise CliError(f"{name} must be {rng}{f' ({why})' if why else ''}, not {value}")
+    return value
+
+def positive(name:str, value:float, why:str='')->float:
+    "`value` if it is a positive finite number, else a `CliError` saying so."
+    import math
+    if not (math.isfinite(value) and value > 0): raise CliError(f"{name} must be a positive finite number{f' ({why})' if why else ''}, not {value}")
+    return value
+
+SEED_MAX = 2**32 - 1          # numpy's and torch's generators both take it
+SWEEP_MAX_STEPS = 100_000     # 2.8 M calls: days of work, so a typo, not a plan
+
 @call_parse
-def opscope_sweep(out:str, # the sketches file to write (.csv or .parquet)
+def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory (trailing / or no extension)
                   steps:int=4, # calls per (shape, distribution) run
                   seed:int=0, # value seed
                   quiet:bool=False, # no progress bar
+                  force:bool=False, # replace an existing OUT
                  ):
     "Record the synthetic sweep (4 matmul shapes × 7 planted distributions) to OUT."
     with cli_errors('opscope-sweep'):
         from opscope.recorder import sweep, SWEEP_SHAPES
-        p = _check_out_path(out)
-        if steps < 1: raise CliError(f"steps must be at least 1, not {steps}")
-        with atomic_output(p) as tmp:
-            df = sweep(tmp, steps=steps, seed=seed, progress=not quiet)
-        print(f"wrote {len(df):,} rows: {df.run_id.nunique()} runs × {steps} steps, "
-              f"{len(SWEEP_SHAPES)} shapes, every run gated → {p}")
+        in_range('--steps', steps, 1, SWEEP_MAX_STEPS, "each step is a fresh call of all 28 runs")
+        in_range('--seed', seed, 0, SEED_MAX - SWEEP_MAX_STEPS)
+        with recording(out, 'opscope-sweep', force) as rec:
+            r = sweep(rec, steps=steps, seed=seed, progress=not quiet)
+        print(f"wrote {r.rows:,} rows: {len(r.run_ids)} runs × {steps} steps, "
+              f"{len(SWEEP_SHAPES)} shapes, every run gated → {out}")
 
 # %% ../nbs/09_cli.ipynb #ae09cec3
 def format_findings(findings, sketches=None)->str:
@@ -161,7 +281,7 @@ def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet data
         from opscope.miner import mine
         import warnings
         if engine not in ('pandas', 'duckdb'): raise CliError(f"--engine must be pandas or duckdb, not {engine!r}")
-        if out is not None and Path(out).suffix.lower() != '.csv': raise CliError(f"{out}: --out must be a .csv file")
+        if out is not None: check_whole_out(out)
         if engine == 'duckdb':
             from opscope.scale import mine_duckdb, select_sketches
             found, df = mine_duckdb(inp), select_sketches(inp, ['density'])   # only the rows the report prints
@@ -177,36 +297,53 @@ def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet data
             print(f"\n{len(found)} findings → {out}")
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c
-def _record_to(out, model, batches, run_id, dist, prog):
-    from opscope.recorder import record
-    p = _check_out_path(out)
-    with atomic_output(p) as tmp:
-        df = record(model, batches, run_id=run_id, dist=dist, sink=tmp, progress=True)
-    print(f"wrote {len(df):,} rows: {df.step.nunique()} steps × {df.site.nunique()} sites → {p}")
+def record_to(out:str, # OUT: a .csv or .parquet file, or a dataset directory
+              workload, # a function returning `(model, batches)`, called once OUT has been checked
+              run_id:str, dist:str, # names kept in the rows
+              prog:str, # the command's name
+              force:bool=False, # replace an existing OUT
+              **kwargs, # passed to `record` (taps, bins, gate_every, ...)
+             ):
+    "What every recording CLI does: check OUT, stream the steps into it durably (Ctrl-C keeps the finished ones), print one summary line."
+    with recording(out, prog, force) as rec:
+        model, batches = workload()
+        r = record(model, batches, run_id=run_id, dist=dist, sink=rec, progress=True, keep=False, **kwargs)
+    print(f"wrote {r.rows:,} rows: {r.steps} steps × {len(r.sites)} sites → {out}")
+    return r
+
+SEQ_MAX_STEPS = 20_000     # the token stream is built in memory first: about 6 KiB per step
+MNIST_MAX_BATCHES = 937    # 60,000 MNIST training images in batches of 64
 
 @call_parse
-def opscope_seq(out:str, # the sketches file to write (.csv or .parquet)
+def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                 steps:Param('calls: one prefill, then decode calls', int, opt=False, nargs='?')=16,
                 seed:int=0, # the token stream's seed
+                force:bool=False, # replace an existing OUT
                ):
     "Record a decode-like stepped run of the causal zoo transformer to OUT."
     with cli_errors('opscope-seq'):
         from opscope.zoo import seq_model, stepped_sequence
-        if steps < 2: raise CliError(f"steps must be at least 2 (a prefill and a decode call), not {steps}")
-        _record_to(out, seq_model(), stepped_sequence(steps, seed=seed), 'seq', 'seq', 'opscope-seq')
+        in_range('STEPS', steps, 2, SEQ_MAX_STEPS, "a prefill and decode calls; the token stream is built in memory")
+        in_range('--seed', seed, 0, SEED_MAX)
+        record_to(out, lambda: (seq_model(), stepped_sequence(steps, seed=seed)), 'seq', 'seq', 'opscope-seq', force)
 
 @call_parse
-def opscope_mnist(out:str, # the sketches file to write (.csv or .parquet)
+def opscope_mnist(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                   batches:Param('batches of 64 real MNIST images', int, opt=False, nargs='?')=12,
                   seed:int=0, # the shuffle's seed
+                  force:bool=False, # replace an existing OUT
                  ):
     "Record the MNIST MLP on real MNIST pixels to OUT."
     with cli_errors('opscope-mnist'):
         from opscope.zoo import mnist_mlp, mnist_batches
-        if batches < 1: raise CliError(f"batches must be at least 1, not {batches}")
-        _record_to(out, mnist_mlp(), mnist_batches(batches, seed=seed), 'mnist', 'mnist', 'opscope-mnist')
+        in_range('BATCHES', batches, 1, MNIST_MAX_BATCHES, "60,000 MNIST training images in batches of 64")
+        in_range('--seed', seed, 0, SEED_MAX)
+        record_to(out, lambda: (mnist_mlp(), mnist_batches(batches, seed=seed)), 'mnist', 'mnist', 'opscope-mnist', force)
 
 # %% ../nbs/09_cli.ipynb #bd0de43e
+MAX_LAYERS = 256   # a 256-layer zoo MLP takes seconds to build and trace; 10^8 layers would exhaust memory
+MAX_CHAIN = 64     # op chains longer than this are never a fusion target
+
 def _print_df(df, empty:str):
     print(df.to_string(index=False) if len(df) else empty)
 
@@ -217,6 +354,8 @@ def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int
     "Recurring op chains (motif, length, count) of the zoo MLP stack."
     with cli_errors('opscope-motifs'):
         from opscope.flow import zoo_graph, op_motifs
+        in_range('LAYERS', layers, 1, MAX_LAYERS, "the model is built and traced in memory")
+        in_range('--max_len', max_len, 1, MAX_CHAIN, "chains are counted at every length up to it")
         g = zoo_graph('mlp', layers)
         print(f"{g.source}: {len(g)} nodes")
         _print_df(op_motifs(g, max_len), 'no recurring chains')
@@ -229,6 +368,8 @@ def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='
     "Repeated dataflow blocks of a zoo model, each with its count, size, op types and fusion label."
     with cli_errors('opscope-flow'):
         from opscope.flow import zoo_graph, dataflow_motifs
+        in_range('LAYERS', layers, 1, MAX_LAYERS, "the model is built and traced in memory")
+        in_range('--depth', depth, 1)
         g = zoo_graph(model, layers)
         print(f"{g.source}: {len(g)} nodes")
         _print_df(dataflow_motifs(g, depth), 'no repeated blocks')
@@ -241,6 +382,8 @@ def opscope_graph(file:str, # a graph file: .txt/.edges/.el edge list, .onnx, or
     "Repeated dataflow blocks and the most frequent op chains of a graph from any workspace."
     with cli_errors('opscope-graph'):
         from opscope.flow import load_graph, dataflow_motifs, op_motifs
+        in_range('--max_len', max_len, 1, MAX_CHAIN, "chains are counted at every length up to it")
+        in_range('--top', top, 1)
         g = load_graph(file)
         print(f"{g.source}: {len(g)} nodes")
         print("\nrepeated blocks:")
@@ -258,6 +401,9 @@ def opscope_docs_preview(out_dir:str, # folder for the HTML pages (created; page
         from opscope.docs import docs_preview
         out = Path(out_dir)
         if out.exists() and not out.is_dir(): raise CliError(f"{out_dir} exists and is not a folder")
+        base = next(p for p in [out, *out.parents] if p.exists())
+        if not base.is_dir(): raise CliError(f"{out_dir}: {base} is a file, so the folder cannot be made")
+        _probe_writable(base)
         made = docs_preview(out, pages=[p.strip() for p in pages.split(',') if p.strip()] or None)
         w = max(len(p.name) for p in made)
         for p in made: print(f"{p.name:<{w}}  {p.stat().st_size / 1e3:6.0f} kB")
@@ -274,7 +420,8 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
         from opscope.recorder import read_sketches
         from opscope.plan import plan, format_plan
         import warnings
-        if out is not None and Path(out).suffix.lower() != '.csv': raise CliError(f"{out}: --out must be a .csv file")
+        in_range('--seed', seed, 0, SEED_MAX)
+        if out is not None: check_whole_out(out)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
             df = read_sketches(inp)
@@ -286,6 +433,8 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
             print(f"\n{len(p)} plan rows → {out}")
 
 # %% ../nbs/09_cli.ipynb #667a11d5
+INFER_MAX_STEPS = 256
+
 def _infer_report(found)->str:
     "Aligned lines: run, site, exploit, detail — one per attention / routing finding."
     if not len(found): return 'no attention or routing findings'
@@ -294,34 +443,35 @@ def _infer_report(found)->str:
     return '\n'.join('  '.join(c.ljust(w[i]) for i, c in enumerate(r[:3])) + '  ' + r[3] for r in rows)
 
 @call_parse
-def opscope_infer(out:str, # the sketches file to write (.csv or .parquet)
+def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                   model:str=None, # transformer, moe or minilm (default: all three), or FILE.py:FACTORY
                   steps:int=2, # batches per model
+                  force:bool=False, # replace an existing OUT
                   hf:str=None, # a local Hugging Face folder instead (with --prompts); --model may also be FILE.py:FACTORY
                   prompts:str=None, # with --hf: a text file, one prompt per line
                   max_new_tokens:int=8, # with --hf and a decoder: tokens generated
                  ):
     "Record attention and routing dynamics of the zoo transformer and MoE and the real MiniLM to OUT; print the findings."
-    if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens)
+    if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens, force)
     with cli_errors('opscope-infer'):
         from opscope.zoo import infer_workload, INFER_MODELS
-        from opscope.recorder import record, Recorder
         from opscope.miner import mine, INFER_EXPLOITS
         import pandas as pd
-        p = _check_out_path(out)
+        if model is not None and model not in INFER_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(INFER_MODELS)}")
+        in_range('--steps', steps, 1, INFER_MAX_STEPS, "every row is kept in memory to mine at the end")
+        check_recording_out(out, force)
         names = [model] if model else list(INFER_MODELS)
         work = [(n, *infer_workload(n, steps)) for n in names]      # bad names / missing packages fail before any file
         frames = []
-        with atomic_output(p) as tmp:
-            with Recorder(tmp) as rec:
-                for n, m, batches in work:
-                    df = record(m, batches, run_id=n, dist='SENTENCES' if n == 'minilm' else 'gaussian', sink=rec)
-                    roles = df.drop_duplicates(['site', 'role']).role.value_counts()
-                    print(f"{n}: {steps} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
-                          f"{roles.get('gate', 0)} top-k), {len(df):,} rows")
-                    frames.append(df)
+        with recording(out, 'opscope-infer', force) as rec:
+            for n, m, batches in work:
+                df = record(m, batches, run_id=n, dist='SENTENCES' if n == 'minilm' else 'gaussian', sink=rec, keep=True)
+                roles = df.drop_duplicates(['site', 'role']).role.value_counts()
+                print(f"{n}: {steps} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
+                      f"{roles.get('gate', 0)} top-k), {len(df):,} rows")
+                frames.append(df)
         found = mine(pd.concat(frames, ignore_index=True))
-        print(f"wrote {sum(map(len, frames)):,} rows → {p}\n")
+        print(f"wrote {sum(map(len, frames)):,} rows → {out}\n")
         print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))
 
 # %% ../nbs/09_cli.ipynb #c11bench2
@@ -343,10 +493,9 @@ def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torc
             print(f"wrote {p}")
 
 # %% ../nbs/09_cli.ipynb #f374fc4b
-def _user_job(model, hf, prompts, max_new_tokens, prog):
-    "`(name, run)` for --model FILE.py:FACTORY or --hf DIR --prompts FILE, checked: `run(sink)` records and returns the rows."
+def _user_job(model, hf, prompts, max_new_tokens, keep):
+    "`(name, run)` for --model FILE.py:FACTORY or --hf DIR --prompts FILE, checked: `run(sink)` records into the sink."
     from opscope.runners import load_factory, load_hf, read_prompts, record_hf
-    from opscope.recorder import record
     if (model is None) == (hf is None): raise CliError("give one of --model FILE.py:FACTORY or --hf DIR")
     if hf is not None:
         if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
@@ -355,19 +504,12 @@ def _user_job(model, hf, prompts, max_new_tokens, prog):
         return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens)
     m, batches = load_factory(model)
     name = model.rpartition(':')[2]
-    return name, lambda sink: record(m, batches, run_id=name, sink=sink, progress=True)
+    return name, lambda sink: record(m, batches, run_id=name, sink=sink, progress=True, keep=keep)
 
-@contextlib.contextmanager
-def _user_sink(out):
-    "A `Recorder` at OUT: a .csv/.parquet file moved into place when complete, or a dataset directory streamed per step."
-    from opscope.recorder import Recorder
-    p = Path(out)
-    if p.suffix:
-        p = _check_out_path(out)
-        with atomic_output(p) as tmp, Recorder(tmp) as rec: yield rec
-    else:
-        if p.parent != Path('') and not p.parent.is_dir(): raise CliError(f"{out}: folder {p.parent} does not exist")
-        with Recorder(p, dataset=True) as rec: yield rec
+def _counts(r)->str:
+    "rows, steps and sites of what a recording returned (the rows, or `record`'s `Recorded` summary)."
+    rows, steps, sites = (r.rows, r.steps, len(r.sites)) if hasattr(r, 'sites') else (len(r), r.step.nunique(), r.site.nunique())
+    return f"{rows:,} rows: {steps} steps × {sites} sites"
 
 @call_parse
 def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a dataset directory
@@ -375,19 +517,22 @@ def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a datase
                    hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
                    prompts:str=None, # with --hf: a text file, one prompt per line
                    max_new_tokens:int=8, # with --hf and a decoder: tokens generated (one recorded step each)
+                   force:bool=False, # replace an existing OUT
                   ):
     "Record a user's model to OUT: a factory's batches, or a local Hugging Face model on prompts (decoders through generate)."
     with cli_errors('opscope-record'):
-        name, run = _user_job(model, hf, prompts, max_new_tokens, 'opscope-record')
-        with _user_sink(out) as rec: df = run(rec)
-        print(f"{name}: wrote {len(df):,} rows: {df.step.nunique()} steps × {df.site.nunique()} sites → {out}")
+        check_recording_out(out, force)              # before the model is loaded
+        name, run = _user_job(model, hf, prompts, max_new_tokens, keep=False)
+        with recording(out, 'opscope-record', force) as rec: r = run(rec)
+        print(f"{name}: wrote {_counts(r)} → {out}")
 
-def _infer_user(out, model, hf, prompts, max_new_tokens):
+def _infer_user(out, model, hf, prompts, max_new_tokens, force):
     "`opscope-infer` on a user's model: record it to OUT and print the attention and routing findings."
     with cli_errors('opscope-infer'):
         from opscope.miner import mine, INFER_EXPLOITS
-        name, run = _user_job(model, hf, prompts, max_new_tokens, 'opscope-infer')
-        with _user_sink(out) as rec: df = run(rec)
+        check_recording_out(out, force)
+        name, run = _user_job(model, hf, prompts, max_new_tokens, keep=True)
+        with recording(out, 'opscope-infer', force) as rec: df = run(rec)
         roles = df.drop_duplicates(['site', 'role']).role.value_counts()
         print(f"{name}: {df.step.nunique()} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
               f"{roles.get('gate', 0)} top-k), {len(df):,} rows → {out}\n")

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from .miner import crest_nz, crest_at_sqnr
+from .recorder import InputError
 
 # %% auto #0
 __all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'DENSITY_MARGIN', 'GUARD_GRID', 'CREST_MARGIN',
@@ -442,12 +443,32 @@ def choose(plan_df:pd.DataFrame, # from `plan`
     if not lossy: p = p[p.exact.astype(bool)]
     return p.sort_values('measured_speedup', ascending=False).drop_duplicates(['run_id', 'site']).sort_index()
 
+def _check_row(r, w):
+    "The guard clauses and channels of plan row `r`, checked against its site's weight `w` (out × in) before anything is built."
+    site = f"plan site {r.site!r}"
+    try: clauses = parse_guard(r.guard)
+    except ValueError as e: raise InputError(f"{site}: {e}") from None
+    off = [c for c in clauses if c.role != 'lhs']
+    if off: raise InputError(f"{site}: guard clause {format_guard(off[:1])!r} reads {off[0].role}, but a guard is checked "
+                             "on the live lhs before the op runs; use lhs clauses only")
+    try: ch = parse_channels(r.channels)
+    except ValueError: raise InputError(f"{site}: channels {r.channels!r} is not a channel list like '0-3,7'") from None
+    N, K = w.shape
+    bad = [c for c in ch if not 0 <= c < K]
+    if bad: raise InputError(f"{site}: channel {bad[0]} is out of range; its lhs has channels 0-{K - 1}")
+    if any(c.channels for c in clauses) and not ch: raise InputError(f"{site}: the guard reads [channels] but the row lists none")
+    if r.exploit == 'low-rank':
+        v = pd.to_numeric(pd.Series([r.value]), errors='coerce').iloc[0]
+        if not (np.isfinite(v) and float(v).is_integer() and 1 <= v < min(N, K)):
+            raise InputError(f"{site}: a low-rank rank must be an integer from 1 to {min(N, K) - 1} (the weight is {N}×{K}), not {r.value!r}")
+    return ch
+
 def specialize(gm:fx.GraphModule, # from `inject.trace`; left untouched
                plan_df:pd.DataFrame, # rows of `plan` to apply, one per site (see `choose`)
               )->fx.GraphModule:
-    "A new GraphModule whose planned sites check their guard on the live lhs and dispatch; `.guarded` maps site → `GuardedLinear`."
+    "A new GraphModule whose planned sites check their guard on the live lhs and dispatch; `.guarded` maps site → `GuardedLinear`. Every row is checked against the graph and its weights first."
     from opscope.inject import matmul_sites
-    rows = plan_df[plan_df.guard.fillna('') != '']
+    rows = plan_df[plan_df.guard.fillna('') != ''].astype({'site': str})   # a site named `0` read back by pandas is 0
     dup = rows.site[rows.site.duplicated()]
     if len(dup): raise ValueError(f"site {dup.iloc[0]!r} has several plan rows; keep one per site (e.g. with choose)")
     graph = copy.deepcopy(gm.graph)
@@ -459,11 +480,12 @@ def specialize(gm:fx.GraphModule, # from `inject.trace`; left untouched
         if r.site not in sites: raise KeyError(f"plan site {r.site!r} is not a matmul site of this graph; its sites are: {', '.join(sites)}")
         s = sites[r.site]
         w, b = _linear_params(gm, s)
-        arg = None
+        ch, arg = _check_row(r, w), None
         if r.exploit == 'dead-channels':
-            arg = torch.tensor(sorted(set(range(w.shape[1])) - set(parse_channels(r.channels))), dtype=torch.long, device=w.device)
-        elif r.exploit == 'low-rank': arg = int(r.value)
-        mod = GuardedLinear(r.site, w, b, r.exploit, r.guard, parse_channels(r.channels), arg)
+            arg = torch.tensor(sorted(set(range(w.shape[1])) - set(ch)), dtype=torch.long, device=w.device)
+        elif r.exploit == 'low-rank': arg = int(float(r.value))
+        mod = GuardedLinear(r.site, w, b, r.exploit, r.guard, ch, arg)
+        live_values(w.new_zeros(1, w.shape[1]), mod.clauses, 'lhs', mod.channels)   # the guard runs on a live lhs now, not on the first call
         name = 'opscope_guarded_' + re.sub(r'\W', '_', r.site)
         new.add_submodule(name, mod); new.guarded[r.site] = mod
         node = by_name[s.node.name]

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_recorder.ipynb #56887995
 from __future__ import annotations
-import os, re, shutil, warnings
+import os, re, shutil, warnings, zlib
 from urllib.parse import quote
 from itertools import chain
 from pathlib import Path
@@ -15,8 +15,8 @@ import torch.fx as fx
 from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch
 
 # %% auto #0
-__all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'SWEEP_SHAPES', 'decode_stats', 'Recorder',
-           'read_sketches', 'eager_gate', 'record', 'sweep']
+__all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'COMMIT_SUFFIX', 'SWEEP_SHAPES', 'decode_stats',
+           'InputError', 'Recorder', 'read_sketches', 'eager_gate', 'Recorded', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #ad2ba961
 SCHEMA = ['run_id', 'step', 'backend', 'dist', 'M', 'K', 'N', 'numel', 'site', 'role', 'stat', 'idx', 'value']
@@ -80,8 +80,13 @@ def decode_stats(stats:dict, # `"site/role/stat" -> tensor`, as an injected modu
         'idx': np.arange(n, dtype=np.int64) - per_row(starts), 'value': values})
 
 # %% ../nbs/02_recorder.ipynb #346d5634
+class InputError(ValueError):
+    "Bad input to opscope (a file, a table, an argument): the command-line tools print it as one line."
+
+COMMIT_SUFFIX = '.commit'   # `OUT.csv.commit`: one line per step committed to `OUT.csv` while it is being written
+
 class Recorder:
-    "A sink for tidy rows: `.csv` (appended and fsynced per step), `.parquet` (a part per step, combined on close), or a Parquet dataset directory (a file per step)."
+    "A sink for tidy rows: `.csv` (appended, fsynced and committed per step), `.parquet` (a part per step, combined on close), or a Parquet dataset directory (a file per step)."
     def __init__(self, path, # a `.csv` or `.parquet` file, or a dataset directory (a path without extension)
                  rank:int=None, # the writer's `torch.distributed` rank: a trailing `rank` column, or the dataset partition
                  dataset:bool=None, # True: write a dataset directory at `path` whatever its name; default: by extension
@@ -90,28 +95,39 @@ class Recorder:
         self.fmt = self.path.suffix.lower().lstrip('.')
         if dataset or (dataset is None and (self.fmt == '' or self.path.is_dir())): self.fmt = 'dataset'
         elif self.fmt not in ('csv', 'parquet'):
-            raise ValueError(f"{self.path}: sinks are .csv or .parquet files, or a dataset directory (a path without extension), not {self.path.suffix!r}")
+            raise InputError(f"{self.path}: sinks are .csv or .parquet files, or a dataset directory (a path without extension), not {self.path.suffix!r}")
         self.parts = self.path.with_name(self.path.name + '.parts')
-        self.steps, self._f, self._dirs = 0, None, set()
+        self.commit = self.path.with_name(self.path.name + COMMIT_SUFFIX)
+        self.steps, self.rows, self._f, self._log, self._dirs, self._end, self._opened = 0, 0, None, None, set(), 0, False
     def write(self, df:pd.DataFrame):
-        "Append one step's rows and make them durable before returning."
+        "Append one step's rows and make them durable (committed where `read_sketches` looks) before returning."
+        if not self._opened: self._open()
         if self.fmt == 'dataset': self._write_dataset(df)
         else:
             if self.rank is not None: df = df.assign(rank=np.int64(self.rank))
-            if self.fmt == 'csv': self._write_csv(df)
-            else: self._write_part(df)
-        self.steps += 1
+            if self.fmt == 'csv': return self._write_csv(df)     # counts the step where it commits it
+            _write_step(df, self.parts / f'part-{self.steps:06d}.parquet')
+        self.steps, self.rows = self.steps + 1, self.rows + len(df)
+    def _open(self):
+        "Start a new recording at `path`: whatever an earlier one left there is removed first, so stale steps never mix with new ones."
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._opened = True
+        if self.fmt == 'dataset':
+            self.path.mkdir(exist_ok=True)
+            if self.rank is None:   # a single writer owns the whole dataset; ranks each clear their own partition
+                for d in self.path.glob('run_id=*'): shutil.rmtree(d)
+            return
+        self.commit.unlink(missing_ok=True); shutil.rmtree(self.parts, ignore_errors=True)
+        if self.fmt == 'csv':
+            self._f = open(self.path, 'wb'); self._log = open(self.commit, 'w')
+        else:
+            self.path.unlink(missing_ok=True); self.parts.mkdir()
     def _write_csv(self, df):
-        if self._f is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, 'w', newline='')
-        df.to_csv(self._f, header=self.steps == 0, index=False, float_format='%.9g')
-        self._f.flush(); os.fsync(self._f.fileno())
-    def _write_part(self, df):
-        if self.steps == 0:
-            shutil.rmtree(self.parts, ignore_errors=True)
-            self.parts.mkdir(parents=True)
-        _write_step(df, self.parts / f'part-{self.steps:06d}.parquet')
+        buf = df.to_csv(None, header=self.steps == 0, index=False, float_format='%.9g', lineterminator='\n').encode()
+        self._f.write(buf); self._f.flush(); os.fsync(self._f.fileno())
+        self._end, self.steps, self.rows = self._end + len(buf), self.steps + 1, self.rows + len(df)   # no signal lands between these
+        self._log.write(f"{self._end}\t{len(df)}\t{zlib.crc32(buf):08x}\t{_step_name(df)}\n")
+        self._log.flush(); os.fsync(self._log.fileno())
     def _write_dataset(self, df):
         for (run, step), rows in df.groupby(['run_id', 'step'], observed=True, sort=False):
             d = self.path / f'run_id={quote(str(run), safe="")}' / f'rank={int(self.rank or 0)}'
@@ -119,16 +135,28 @@ class Recorder:
                 shutil.rmtree(d, ignore_errors=True); d.mkdir(parents=True); self._dirs.add(d)
             _write_step(rows.drop(columns=['run_id', 'rank'], errors='ignore'), d / f'part-{int(step):09d}.parquet')
     def close(self):
-        "Finish the file (Parquet: combine the parts atomically; a dataset needs nothing)."
-        if self._f is not None: self._f.close(); self._f = None
+        "Finish the output: CSV cut back to its last whole step, Parquet parts combined atomically; a dataset needs nothing."
+        if self._f is not None:
+            if self._f.tell() != self._end:          # interrupted mid-step (Ctrl-C, an error): drop the half step
+                self._f.truncate(self._end); self._f.flush(); os.fsync(self._f.fileno())
+            self._f.close(); self._f = None
+            self._log.close(); self._log = None; self.commit.unlink(missing_ok=True)
+        if self.fmt == 'dataset' and self._dirs:     # what is in place, even if a signal came between a rename and the count
+            self.steps = sum(len(_part_files(d)) for d in self._dirs)
         if self.fmt == 'parquet' and self.parts.exists():
-            import pyarrow.parquet as pq
+            self.steps = len(_part_files(self.parts))
             tmp = self.path.with_name(f'.{self.path.name}.tmp')
-            pq.write_table(_read_parts(self.parts), tmp)
+            try: _combine_parts(self.parts, tmp)
+            except BaseException:            # a full disk, a second Ctrl-C: the parts stay, and the reader finds them
+                tmp.unlink(missing_ok=True); raise
             os.replace(tmp, self.path)
             shutil.rmtree(self.parts)
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
+
+def _step_name(df):
+    "`step S of run R` for a step's rows (how warnings name a torn step)."
+    return f"step {int(df.step.iloc[0])} of run {df.run_id.iloc[0]}" if len(df) else 'an empty step'
 
 def _write_step(df, path):
     "One step's rows as one Parquet file (one row group), fsynced under a hidden name, then renamed into place."
@@ -143,14 +171,50 @@ def _plain(df):
     "Categoricals as plain strings, so every file has the same column types."
     return df.astype({c: str for c in STR_COLS if c in df and isinstance(df[c].dtype, pd.CategoricalDtype)})
 
+def _part_files(parts): return sorted(parts.glob('part-*.parquet'))
+
+def _combine_parts(parts, dest):
+    "Stream the parts into one Parquet file at `dest`, one row group per part: memory holds one step, never the run."
+    import pyarrow.parquet as pq
+    files = _part_files(parts)
+    schema = pq.read_schema(files[0])
+    with open(dest, 'wb') as f:
+        with pq.ParquetWriter(f, schema) as w:
+            for p in files: w.write_table(pq.read_table(p).cast(schema))
+        f.flush(); os.fsync(f.fileno())
+
 def _read_parts(parts):
     import pyarrow as pa, pyarrow.parquet as pq
-    files = sorted(parts.glob('part-*.parquet'))
-    return pa.concat_tables([pq.read_table(f) for f in files])
+    return pa.concat_tables([pq.read_table(f) for f in _part_files(parts)])
+
+# %% ../nbs/02_recorder.ipynb #c0a1f15e
+def _committed(path, raw):
+    "The bytes of `raw` (the CSV at `path`) up to its last committed step, checked against the commit log left by an interrupted writer."
+    log = path.with_name(path.name + COMMIT_SUFFIX)
+    if not log.exists(): return raw
+    lines = [l.split('\t', 3) for l in log.read_text().split('\n')[:-1]]   # a torn last log line is not a commit
+    start = 0
+    for end, rows, crc, name in lines:
+        end = int(end)
+        if end > len(raw) or zlib.crc32(raw[start:end]) != int(crc, 16):
+            raise InputError(f"{path}: {name} does not match its commit in {log.name} (the file was changed after it was written)")
+        start = end
+    if len(raw) > start:
+        torn = _torn_name(raw[start:], raw[:raw.find(b'\n') + 1])
+        warnings.warn(f"{path}: dropped the torn last step ({torn}, {len(raw) - start:,} bytes after the last commit)")
+    return raw[:start]
+
+def _torn_name(tail, header):
+    "Which step a torn tail of a CSV belongs to, from its first line."
+    import csv, io
+    try:
+        row = next(csv.DictReader(io.StringIO((header + tail.split(b'\n', 1)[0]).decode())))
+        return f"step {row['step']} of run {row['run_id']}"
+    except (StopIteration, KeyError, UnicodeDecodeError, csv.Error): return 'a step cut before its first line'
 
 # %% ../nbs/02_recorder.ipynb #c2e74dbc
 def _read_csv(path):
-    raw = path.read_bytes()
+    raw = _committed(path, path.read_bytes())
     if not raw.strip(): raise ValueError(f"{path}: empty file, no sketches in it")
     if not raw.endswith(b'\n'):
         cut = raw.rfind(b'\n') + 1
@@ -239,6 +303,8 @@ def read_sketches(path)->pd.DataFrame:
             warnings.warn(f"{path}: reading the parts of an interrupted run from {parts}")
             return _check(_read_parts(parts).to_pandas(), path, 0)
         raise FileNotFoundError(f"{path}: no such file")
+    if parts.is_dir() and path.is_file():   # the writer combined the parts into `path`, then was stopped before removing them
+        warnings.warn(f"{path}: ignoring the left-over parts folder {parts} (its steps are all in {path.name})")
     if path.is_dir(): return _check(_read_dataset(path), path, 0)
     fmt = path.suffix.lower()
     if fmt == '.csv': return _check(_read_csv(path), path, 2)
@@ -313,6 +379,21 @@ def eager_gate(reference, # () -> the eager model's output on the step's inputs
     return got, stats
 
 
+# %% ../nbs/02_recorder.ipynb #d7e3a15c
+class Recorded:
+    "What `record` wrote to a sink, without the rows: counts of rows, steps and sites, and `read()` to load them."
+    def __init__(self, path=None): self.path, self.rows, self.steps, self.sites, self.run_ids = path, 0, 0, set(), set()
+    def add(self, df:pd.DataFrame):
+        "Count one step's rows."
+        self.rows += len(df); self.steps += 1
+        self.sites.update(df.site.cat.categories if isinstance(df.site.dtype, pd.CategoricalDtype) else df.site.unique())
+        self.run_ids.update(map(str, df.run_id.unique()))
+    def __len__(self): return self.rows
+    def read(self)->pd.DataFrame:
+        "The rows, read back from the sink."
+        return read_sketches(self.path)
+    def __repr__(self): return f"Recorded({self.rows:,} rows, {self.steps} steps, {len(self.sites)} sites → {self.path})"
+
 # %% ../nbs/02_recorder.ipynb #10581c41
 def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
            batches, # iterable of tensors / tuples of inputs / dicts of keyword inputs; one step each
@@ -325,8 +406,9 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
            taps=TAP_KINDS, # kinds of site to tap: some of 'matmul', 'softmax', 'topk'
            step_ids=None, # the step index of each batch (default 0, 1, 2, ...); a shard of a distributed run passes its global batch indices
            compile:bool=False, # run the injected graph under `torch.compile` (the gated steps run it eagerly)
-          )->pd.DataFrame:
-    "Record the sketches of every matmul, softmax and top-k of `model` over `batches`; returns the tidy rows (also written to `sink`)."
+           keep:bool=None, # also return every row (default: only without a sink; with one, memory holds one step)
+          ):
+    "Record the sketches of every matmul, softmax and top-k of `model` over `batches`; the tidy rows, or with a sink (unless `keep`) a `Recorded` summary."
     it = iter(batches)
     try: first = next(it)
     except StopIteration: raise ValueError("record needs at least one batch") from None
@@ -336,7 +418,8 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
     run = compile_injected(inj) if compile else inj
     own = not isinstance(sink, Recorder) and sink is not None
     rec = Recorder(sink) if own else sink
-    frames, steps = [], chain([first], it)
+    keep = rec is None if keep is None else keep
+    frames, steps, summary = [], chain([first], it), Recorded(rec.path if rec is not None else None)
     if progress:
         from tqdm.auto import tqdm
         steps = tqdm(steps, desc=f'record {run_id}', leave=False)
@@ -352,10 +435,12 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
                 else: _, stats = run(*args, **kwargs)
             df = decode_stats(stats, run_id=run_id, step=int(step), backend=_device(args, kwargs), dist=dist)
             if rec is not None: rec.write(df)
-            frames.append(df)
+            if keep: frames.append(df)
+            else: summary.add(df)
+            del df, stats                      # nothing of this step outlives it
     finally:
         if own: rec.close()
-    return pd.concat(frames, ignore_index=True)
+    return pd.concat(frames, ignore_index=True) if keep else summary
 
 # %% ../nbs/02_recorder.ipynb #75da64ba
 SWEEP_SHAPES = ((64, 256, 256), (256, 512, 128), (128, 1024, 512), (512, 128, 1024))
@@ -366,8 +451,10 @@ def sweep(sink=None, # a `Recorder` or a .csv/.parquet path (or None: rows in me
           steps:int=4, # calls per run, each with fresh values
           seed:int=0, # first value seed; step s uses seed + s
           structure_seed:int=0, # where structure is planted
-          progress:bool=False)->pd.DataFrame:
-    "Record every (shape, distribution) pair of the grid; run ids are `dist-MxKxN`."
+          progress:bool=False,
+          keep:bool=None, # also return every row (default: only without a sink)
+         ):
+    "Record every (shape, distribution) pair of the grid (run ids `dist-MxKxN`); the rows, or with a sink (unless `keep`) a `Recorded` summary."
     from opscope.zoo import DISTS, gemm, make_tensor
     dists = list(dists or DISTS)
     bad = [d for d in dists if d not in DISTS]
@@ -378,28 +465,14 @@ def sweep(sink=None, # a `Recorder` or a .csv/.parquet path (or None: rows in me
     if progress:
         from tqdm.auto import tqdm
         grid = tqdm(grid, desc='sweep', unit='run')
-    frames = []
+    keep = rec is None if keep is None else keep
+    frames, summary = [], Recorded(rec.path if rec is not None else None)
     try:
         for (M, K, N), d in grid:
             batches = (make_tensor(d, (M, K), seed=seed + s, structure_seed=structure_seed) for s in range(steps))
-            frames.append(record(gemm(K, N), batches, run_id=f'{d}-{M}x{K}x{N}', dist=d, sink=rec))
+            r = record(gemm(K, N), batches, run_id=f'{d}-{M}x{K}x{N}', dist=d, sink=rec, keep=keep)
+            if keep: frames.append(r)
+            else: summary.rows += r.rows; summary.steps += r.steps; summary.sites |= r.sites; summary.run_ids |= r.run_ids
     finally:
         if own: rec.close()
-    return pd.concat(frames, ignore_index=True)
-
-# %% ../nbs/02_recorder.ipynb #3bda8e73
-def _kill_child(path, steps_before_kill):
-    "Run a recording in a child process that kills itself after `steps_before_kill` steps."
-    code = textwrap.dedent(f"""
-        import os, signal
-        from opscope.zoo import transformer, example_input
-        from opscope.recorder import record, Recorder
-        m = transformer(layers=1)
-        class Killing(Recorder):
-            def write(self, df):
-                super().write(df)
-                if self.steps == {steps_before_kill}: os.kill(os.getpid(), signal.SIGKILL)
-        record(m, (example_input(m, seed=s) for s in range(10)), sink=Killing({str(path)!r}))
-    """)
-    import subprocess, sys
-    return subprocess.run([sys.executable, '-c', code], capture_output=True).returncode
+    return pd.concat(frames, ignore_index=True) if keep else summary

@@ -218,4 +218,4 @@ def record_hf(path, # a local Hugging Face folder (`load_hf`)
     T = max(len(tok(s)['input_ids']) for s in prompts)      # one length for every step
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     batches = [dict(tok(g, padding='max_length', max_length=T, return_tensors='pt')) for g in groups]
-    return record(model, batches, run_id=run_id, dist='prompts', sink=sink)
+    return record(model, batches, run_id=run_id, dist='prompts', sink=sink, keep=True)

@@ -36,7 +36,7 @@ def record_shard(model, # an `nn.Module` (each rank holds its own replica)
     if first is not None:       # a rank with no batch still reaches the barrier
         with Recorder(sink, rank=rank, dataset=True) as rec:
             df = record(model, chain([first], shard), run_id=run_id, dist=dist, sink=rec,
-                        step_ids=range(rank, 1 << 62, world), **kwargs).assign(rank=np.int64(rank))
+                        step_ids=range(rank, 1 << 62, world), keep=True, **kwargs).assign(rank=np.int64(rank))
     if live: td.barrier()
     return df
 

@@ -167,7 +167,7 @@ def test_sketch_matches_numpy(rows, cols, nans, seed):
 
 def test_read_sketches_roundtrip_and_partial_line(tmp_path):
     p = tmp_path / 'r.csv'
-    df = record(mlp(layers=2), [torch.randn(4, 256) for _ in range(3)], sink=p)
+    df = record(mlp(layers=2), [torch.randn(4, 256) for _ in range(3)], sink=p, keep=True)
     raw = p.read_bytes()
     p.write_bytes(raw[:-40])            # a kill mid-line
     with pytest.warns(UserWarning, match='incomplete last line'):
@@ -194,6 +194,6 @@ def test_nan_values_roundtrip_through_csv_and_parquet(tmp_path):
     "An undefined statistic (the mean of an empty tensor) is NaN in the file and NaN again when read."
     for ext in ('csv', 'parquet'):
         p = tmp_path / f'e.{ext}'
-        df = record(nn.Linear(8, 4), [torch.empty(0, 8)], sink=p)
+        df = record(nn.Linear(8, 4), [torch.empty(0, 8)], sink=p, keep=True)
         back = read_sketches(p)
         assert back.value.isna().sum() == df.value.isna().sum() > 0

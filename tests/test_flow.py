@@ -123,4 +123,4 @@ def test_cli_missing_file_and_bad_layers(tmp_path):
     r = run('opscope-graph', str(tmp_path / 'nope.onnx'))
     assert (r.returncode, r.stderr.strip()) == (2, f'opscope-graph: error: {tmp_path}/nope.onnx: no such file')
     r = run('opscope-flow', '0', 'moe')
-    assert r.returncode == 2 and r.stderr.strip() == 'opscope-flow: error: layers must be at least 1, got 0'
+    assert r.returncode == 2 and r.stderr.strip() == 'opscope-flow: error: LAYERS must be 1 to 256 (the model is built and traced in memory), not 0'

@@ -174,7 +174,7 @@ def test_cli_transformer(tmp_path):
 def test_cli_bad_input_one_line_no_file(tmp_path):
     for args, msg in [((str(tmp_path / 'a.csv'), '--model', 'gpt2'), "unknown model 'gpt2'"),
                       ((str(tmp_path / 'a.txt'),), 'output must be a .csv or .parquet file'),
-                      ((str(tmp_path / 'a.csv'), '--steps', '0', '--model', 'moe'), 'steps must be at least 1')]:
+                      ((str(tmp_path / 'a.csv'), '--steps', '0', '--model', 'moe'), '--steps must be 1 to')]:
         r = _cli(*args)
         assert r.returncode == 2 and r.stderr.count('\n') == 1 and msg in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []

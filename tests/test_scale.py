@@ -12,7 +12,7 @@ def two_ranks(tmp_path_factory):
     "The decode-like sequence recorded by 2 spawned ranks (gloo, loopback) and by one process."
     d = tmp_path_factory.mktemp('scale')
     ds = record_spawned(d / 'seq', world=2, workload='seq', steps=12)
-    one = record(seq_model(), stepped_sequence(12), run_id='seq', dist='seq', sink=d / 'seq.parquet')
+    one = record(seq_model(), stepped_sequence(12), run_id='seq', dist='seq', sink=d / 'seq.parquet', keep=True)
     return d, ds, one
 
 

@@ -67,5 +67,5 @@ def test_independent_batches_not_called_coherent():
 def test_bad_counts(tmp_path, cli):
     for cmd, arg in (('opscope-seq', '1'), ('opscope-mnist', '0')):
         r = cli(cmd, str(tmp_path / 'x.csv'), arg)
-        assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'at least' in r.stderr
+        assert r.returncode == 2 and r.stderr.count('\n') == 1 and ' must be ' in r.stderr
         assert not (tmp_path / 'x.csv').exists()
