@@ -13,8 +13,8 @@ distributed = pytest.importorskip('distributed')
 
 @pytest.fixture(scope='module')
 def cluster():
-    "Two worker processes, one thread and 500 MB each (a bare worker with pandas and pyarrow loaded is ~200 MB)."
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit='500MB',
+    "Two worker processes, one thread and 700 MB each (a bare worker with pandas and pyarrow loaded is ~200 MB, and at 80% of its limit a worker pauses)."
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit='700MB',
                                   dashboard_address=None) as lc, distributed.Client(lc) as c:
         yield c
 
@@ -92,7 +92,7 @@ def _replicate(src, dst, times):
 def test_larger_than_a_worker_two_workers_no_restarts(cluster, tmp_path):
     m = transformer(layers=2)
     record(m, (example_input(m, batch=8, seed=s) for s in range(10)), sink=tmp_path / 'one', run_id='big')
-    ds = _replicate(tmp_path / 'one', tmp_path / 'big', 13)
+    ds = _replicate(tmp_path / 'one', tmp_path / 'big', 19)
     decoded = sum(pq.read_table(f).nbytes for f in ds.rglob('*.parquet'))
     limit = cluster.scheduler_info()['workers']
     per_worker = min(w['memory_limit'] for w in limit.values())
