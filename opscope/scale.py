@@ -319,8 +319,9 @@ def _dask_tables(sk, run):
     if len(t['numel']):
         usual = _m._usual_steps(t['numel'].assign(stat='numel'))
         u = usual.astype({k: sk[k].dtype for k in K})
-        rng_, ca = map(_strkeys, run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max'], **one),
-                                     base.map_partitions(P.usual_rows, u, ['chan_absmax'])[G + ['idx', 'value']]))
+        ca = base.map_partitions(P.usual_rows, u, ['chan_absmax'])[G + ['idx', 'value']]
+        rng_ = _strkeys(run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max'], **one))[0])
+        ca = _strkeys(pd.concat(run(*ca.to_delayed())))   # the matrix's rows come back partition by partition, never concatenated on one worker
         rng_ = rng_.set_index(K)
         rel = (rng_['max'] - rng_['min']) / np.maximum(rng_[['min', 'max']].abs().max(axis=1), 1e-30)
         per = lambda k: t[k].set_index(K)
