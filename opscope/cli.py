@@ -273,18 +273,23 @@ def format_findings(findings, sketches=None)->str:
 @call_parse
 def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet dataset directory, from opscope-sweep / record
                  out:str=None, # also write the findings table here (.csv)
-                 engine:str='pandas', # pandas (in memory) or duckdb (out of core: sketches larger than memory)
+                 engine:str='pandas', # pandas (in memory), duckdb (out of core: sketches larger than memory) or dask (a cluster)
+                 scheduler:str=None, # with --engine dask: a Dask scheduler address (default: a local cluster for this run)
                 ):
     "Mine a sketches file or dataset and print its findings as aligned text."
     with cli_errors('opscope-mine'):
         from opscope.recorder import read_sketches
         from opscope.miner import mine
         import warnings
-        if engine not in ('pandas', 'duckdb'): raise CliError(f"--engine must be pandas or duckdb, not {engine!r}")
+        if engine not in ('pandas', 'duckdb', 'dask'): raise CliError(f"--engine must be pandas, duckdb or dask, not {engine!r}")
+        if scheduler is not None and engine != 'dask': raise CliError("--scheduler needs --engine dask")
         if out is not None: check_whole_out(out)
         if engine == 'duckdb':
             from opscope.scale import mine_duckdb, select_sketches
             found, df = mine_duckdb(inp), select_sketches(inp, ['density'])   # only the rows the report prints
+        elif engine == 'dask':
+            from opscope.scale import mine_dask
+            found = mine_dask(inp, client=scheduler, rows=('density',)); df = found.attrs.pop('rows')
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter('always')

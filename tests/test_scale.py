@@ -70,7 +70,7 @@ def test_cli_mine_dataset_dir_equals_file(two_ranks, cli):
     assert c.stdout.split('\n\n')[0] == a.stdout.strip('\n')       # the same report, out of core
     assert len(pd.read_csv(d / 'f.csv')) == len(mine(ds))
     r = cli('opscope-mine', str(ds), '--engine', 'spark')
-    assert r.returncode == 2 and 'engine must be pandas or duckdb' in r.stderr
+    assert r.returncode == 2 and 'engine must be pandas, duckdb or dask' in r.stderr
     broken = d / 'broken'; (broken / 'run_id=x' / 'rank=0').mkdir(parents=True)
     (broken / 'run_id=x' / 'rank=0' / 'part-000000000.parquet').write_bytes(b'PAR1 not parquet')
     for engine in ('pandas', 'duckdb'):

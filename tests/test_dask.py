@@ -1,0 +1,129 @@
+"The Dask engine: findings identical to pandas and DuckDB on a 2-worker LocalCluster, out of one worker's memory, the CLI."
+import builtins, shutil, subprocess
+import numpy as np, pandas as pd, pytest
+import pyarrow as pa, pyarrow.parquet as pq
+
+from opscope.zoo import mnist_mlp, mnist_batches, moe, planted_attention, example_input, transformer
+from opscope.recorder import record, sweep, Recorder
+from opscope.miner import mine, INFER_EXPLOITS
+from opscope.scale import mine_duckdb, mine_dask, same_findings
+
+distributed = pytest.importorskip('distributed')
+
+
+@pytest.fixture(scope='module')
+def cluster():
+    "Two worker processes, one thread and 700 MB each (a bare worker with pandas and pyarrow loaded is ~200 MB, and at 80% of its limit a worker pauses)."
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit='700MB',
+                                  dashboard_address=None) as lc, distributed.Client(lc) as c:
+        yield c
+
+
+def _to_dataset(df, path):
+    with Recorder(path) as rec:
+        for _, g in df.groupby(['run_id', 'step'], observed=True, sort=False): rec.write(g)
+    return path
+
+
+@pytest.fixture(scope='module')
+def sketches(tmp_path_factory):
+    "Sweep + MNIST + planted attention (key counts changing across steps) + a biased MoE router, as a dataset."
+    a = planted_attention(sink=7, band=2, sink_logit=4.4, band_logit=4.4)
+    e = moe(router_bias=[-30, 0, 0, 5, 0, 0, -30, 0], seed=2)
+    df = pd.concat([sweep(shapes=((96, 256, 64),), steps=3, seed=21, structure_seed=3),
+                    record(mnist_mlp(), mnist_batches(4), run_id='mnist', dist='mnist'),
+                    record(a, [example_input(a, tokens=T, seed=s) for s, T in enumerate([32, 48, 24])],
+                           taps=('matmul', 'softmax'), run_id='attn', dist='attn'),
+                    record(e, [example_input(e, seed=s + 3) for s in range(3)], taps=('matmul', 'topk'), run_id='moe', dist='moe')],
+                   ignore_index=True)
+    d = tmp_path_factory.mktemp('dask')
+    return df, _to_dataset(df, d / 'ds')
+
+
+def test_three_engines_same_findings_on_two_workers(sketches, cluster):
+    df, ds = sketches
+    ref = mine(df)
+    assert {'sparse-gemm', 'channel-outliers', 'dead-channels', 'attention-sink', 'windowed-attention',
+            'cold-experts', 'hot-experts', 'stationary'} <= set(ref.exploit)
+    got = mine_dask(ds, cluster)
+    assert same_findings(ref, got) and same_findings(ref, mine_duckdb(ds))
+    assert same_findings(ref, mine_dask(df.sample(frac=1, random_state=3), cluster))   # steps split over partitions: shuffled
+    bad = got.copy(); bad.loc[bad.exploit == 'attention-sink', 'value'] *= 1 + 1e-6
+    assert not same_findings(ref, bad)
+
+
+def test_dask_refuses_rank_clash_and_bad_input(sketches, cluster, tmp_path):
+    df, _ = sketches
+    one = df[df.run_id == 'mnist']
+    with pytest.raises(ValueError, match='more than one rank'):
+        mine_dask(pd.concat([one.assign(rank=0), one.assign(rank=1)]), cluster)
+    with pytest.raises(FileNotFoundError, match='no such file'): mine_dask(tmp_path / 'nothing', cluster)
+    with pytest.raises(ValueError, match='lack columns stat'): mine_dask(one.drop(columns='stat'), cluster)
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(ValueError, match='no sketches in it'): mine_dask(tmp_path / 'empty', cluster)
+    assert mine_dask(one.iloc[:0], cluster).empty
+
+
+def test_missing_dask_names_the_extra(monkeypatch):
+    real = builtins.__import__
+    def no_dask(name, *a, **k):
+        if name.split('.')[0] in ('dask', 'distributed'): raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, '__import__', no_dask)
+    with pytest.raises(ImportError, match=r"pip install 'opscope\[dask\]'"): mine_dask(pd.DataFrame())
+
+
+def _replicate(src, dst, times):
+    "A dataset `times` as long as `src`: each part copied with its steps shifted (a long run of the same workload)."
+    files = sorted(src.rglob('part-*.parquet'))
+    n = len(files)
+    for k in range(times):
+        for f in files:
+            t = pq.read_table(f)
+            s = t['step'].to_numpy() + k * n
+            t = t.set_column(t.schema.get_field_index('step'), 'step', pa.array(s, pa.int64()))
+            t = t.set_column(t.schema.get_field_index('value'), 'value', pa.array(t['value'].to_numpy() * (1 + 1e-3 * k)))
+            out = dst / f.relative_to(src).parent / f'part-{int(s[0]):09d}.parquet'
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(t, out)
+    return dst
+
+
+def test_larger_than_a_worker_two_workers_no_restarts(cluster, tmp_path):
+    m = transformer(layers=2)
+    record(m, (example_input(m, batch=8, seed=s) for s in range(10)), sink=tmp_path / 'one', run_id='big')
+    ds = _replicate(tmp_path / 'one', tmp_path / 'big', 19)
+    decoded = sum(pq.read_table(f).nbytes for f in ds.rglob('*.parquet'))
+    limit = cluster.scheduler_info()['workers']
+    per_worker = min(w['memory_limit'] for w in limit.values())
+    assert decoded > per_worker, (decoded, per_worker)         # the table does not fit one worker
+    before = set(limit)
+    got = mine_dask(ds, cluster)
+    assert set(cluster.scheduler_info()['workers']) == before   # no worker killed for memory and restarted
+    assert same_findings(mine_duckdb(ds, memory_limit='300MB', threads=1), got) and len(got) > 10
+
+
+def _sweep_takes_a_directory():
+    r = subprocess.run(['opscope-sweep', '--help'], capture_output=True, text=True)
+    return 'director' in (r.stdout + r.stderr).lower()
+
+
+@pytest.mark.skipif(not _sweep_takes_a_directory(), reason='opscope-sweep does not write a dataset directory yet (issue 17 item 2)')
+def test_cli_sweep_dataset_three_engines(cli, tmp_path):
+    ds = str(tmp_path / 'ds') + '/'
+    r = cli('opscope-sweep', ds)
+    assert r.returncode == 0, r.stderr
+    out = {e: cli('opscope-mine', ds, '--engine', e, '--out', str(tmp_path / f'{e}.csv')) for e in ('pandas', 'duckdb', 'dask')}
+    assert all(o.returncode == 0 for o in out.values()), {e: o.stderr[-500:] for e, o in out.items()}
+    assert out['pandas'].stdout == out['duckdb'].stdout == out['dask'].stdout
+    f = {e: pd.read_csv(tmp_path / f'{e}.csv', keep_default_na=False, na_values=['']) for e in out}
+    assert same_findings(f['pandas'], f['dask']) and same_findings(f['pandas'], f['duckdb'])
+
+
+def test_cli_dask_engine_on_dataset(sketches, cli, tmp_path):
+    _, ds = sketches
+    a, b = cli('opscope-mine', str(ds), '--engine', 'pandas'), cli('opscope-mine', str(ds), '--engine', 'dask')
+    assert a.returncode == 0 and b.returncode == 0, b.stderr[-2000:]
+    assert a.stdout == b.stdout
+    r = cli('opscope-mine', str(ds), '--scheduler', 'tcp://127.0.0.1:1')
+    assert r.returncode == 2 and '--scheduler needs --engine dask' in r.stderr
