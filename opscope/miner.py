@@ -16,9 +16,9 @@ __all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DE
            'TAP_RULES', 'CHANNEL_RULES', 'CROSS_RULES', 'MASK_VETO', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING',
            'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'rule_sparse', 'rule_quant',
            'rule_spiky', 'rule_tokens', 'rule_coherence', 'rule_deep_dump', 'rule_dead_channels',
-           'rule_outlier_channels', 'cross_step', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink',
-           'rule_kv_eviction', 'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'drop_nonfinite_steps',
-           'rule_nonfinite', 'rule_constant', 'mine', 'confirm_low_rank', 'planted_check']
+           'rule_outlier_channels', 'relative_range', 'cross_step', 'rule_stationary', 'rule_drift_coherence',
+           'rule_attention_sink', 'rule_kv_eviction', 'rule_windowed', 'rule_experts', 'infer_features', 'step_table',
+           'drop_nonfinite_steps', 'rule_nonfinite', 'rule_constant', 'mine', 'confirm_low_rank', 'planted_check']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
@@ -219,6 +219,12 @@ def _vn(V, starts):
     return np.add.reduceat(d, starts)
 
 # %% ../nbs/03_miner.ipynb #57b6e8f5
+def relative_range(rng_:pd.DataFrame, # `min` and `max` columns of a statistic across steps
+                  )->pd.Series:
+    "(max - min) / max(|min|, |max|): relative at any magnitude (no absolute floor); an all-zero statistic has range 0."
+    scale = rng_[['min', 'max']].abs().max(axis=1)
+    return (rng_['max'] - rng_['min']) / scale.where(scale > 0, 1.)
+
 def cross_step(df:pd.DataFrame, # tidy sketches
                seed:int=0, # seeds the step shuffles
               )->pd.DataFrame:
@@ -228,8 +234,7 @@ def cross_step(df:pd.DataFrame, # tidy sketches
     usual = _usual_steps(df)
     x = df[df.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
     rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max'])
-    scale = rng_[['min', 'max']].abs().max(axis=1)
-    rel = (rng_['max'] - rng_['min']) / scale.where(scale > 0, 1.)   # relative at any magnitude; all-zero: range 0
+    rel = relative_range(rng_)
     return _cross_table((rel <= STATIONARY_RTOL).groupby(level=KEYS, observed=True).all(),
                         usual.groupby(KEYS, observed=True).size(), _step_matrix(df, 'chan_absmax', usual), seed)
 

@@ -342,7 +342,7 @@ def _dask_tables(sk, run):
         rng_ = _strkeys(run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max'], **one))[0])
         ca = _strkeys(pd.concat(run(*ca.to_delayed())))   # the matrix's rows come back partition by partition, never concatenated on one worker
         rng_ = rng_.set_index(K)
-        rel = (rng_['max'] - rng_['min']) / np.maximum(rng_[['min', 'max']].abs().max(axis=1), 1e-30)
+        rel = _m.relative_range(rng_)   # the one stationarity definition
         per = lambda k: t[k].set_index(K)
         h = per('hist')
         f = pd.concat([t['scal'].pivot(index=K, columns='stat', values='value'),

@@ -103,12 +103,6 @@ def test_larger_than_a_worker_two_workers_no_restarts(cluster, tmp_path):
     assert same_findings(mine_duckdb(ds, memory_limit='300MB', threads=1), got) and len(got) > 10
 
 
-def _sweep_takes_a_directory():
-    r = subprocess.run(['opscope-sweep', '--help'], capture_output=True, text=True)
-    return 'director' in (r.stdout + r.stderr).lower()
-
-
-@pytest.mark.skipif(not _sweep_takes_a_directory(), reason='opscope-sweep does not write a dataset directory yet (issue 17 item 2)')
 def test_cli_sweep_dataset_three_engines(cli, tmp_path):
     ds = str(tmp_path / 'ds') + '/'
     r = cli('opscope-sweep', ds)
