@@ -489,7 +489,7 @@ def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torc
     "Run the benchmark page's measurements; print every table and the goals, met or missed."
     with cli_errors('opscope-bench'):
         from opscope.bench import bench_report, goal_table, save_report   # imported where used, as the other commands here
-        if out: p = _check_out_path(out)
+        if out: p = check_whole_out(out)
         rep = bench_report(full=full, miner_rows=miner_rows, compile=True if full or compile else False)
         for k, t in rep.items(): print(f"{k}:\n{t.round(3).to_string(index=False)}\n", flush=True)
         print(goal_table(rep).round(3).to_string(index=False))

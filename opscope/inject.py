@@ -306,7 +306,7 @@ def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); 
     std = (ms - mean * mean).clamp_min(0).sqrt()
     e = row_energy.reshape(-1, T)
     adj_cos = (_adjacent_dots(clean, T) / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
-    sample = clean.reshape(-1)[::max(1, n // HIST_SAMPLE)]
+    sample = clean.reshape(-1)[::torch.sym_max(n // HIST_SAMPLE, 1)]
     hist = _hist(sample / (absmax + 1e-12), bins)
     nearzero = (sample.abs() <= NEARZERO_REL * absmax).float().mean()
     numel = torch.full((), n, dtype=clean.dtype, device=clean.device)

@@ -9,8 +9,8 @@ import pandas as pd
 from . import miner as _m
 
 # %% auto #0
-__all__ = ['G', 'INFER_ROLES', 'SCALARS', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios', 'chan_steps',
-           'head_keys', 'usual_rows', 'read_parts', 'infer_table', 'findings_from_tables']
+__all__ = ['G', 'INFER_ROLES', 'SCALARS', 'finite_steps', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios',
+           'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'infer_table', 'findings_from_tables']
 
 # %% ../nbs/03b_partials.ipynb #d0589b83
 G = _m.KEYS + ['step']          # one (tap, step) group
@@ -18,6 +18,10 @@ INFER_ROLES = ('attn', 'gate')  # softmax / top-k taps: their own rules
 SCALARS = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel')
 
 def _base(d): return d[~d.role.isin(list(INFER_ROLES))]
+
+def finite_steps(d:pd.DataFrame)->pd.DataFrame:
+    "`d` without its (tap, step)s that hold NaN/Inf (`miner.drop_nonfinite_steps`), for a partition of whole steps."
+    return _m.drop_nonfinite_steps(d, _m.step_table(d))
 
 def scalar_steps(d:pd.DataFrame)->pd.DataFrame:
     "Each matmul-style (tap, step)'s scalar stats, one row per stat (its first value)."

@@ -354,8 +354,6 @@ def _dask_tables(sk, run):
     return out
 
 # %% ../nbs/03a_scale.ipynb #ca228aa8
-def _finite_steps(d): return _m.drop_nonfinite_steps(d, _m.step_table(d))
-
 def mine_dask(src, # a Parquet dataset (local directory or fsspec URL: s3://…, gs://…), a .parquet / .csv file, or a DataFrame
               client=None, # a `distributed.Client`, a scheduler address, or None: a `LocalCluster` for this call
               storage_options:dict=None, # passed to fsspec (credentials, endpoint, ...) for a URL
@@ -378,7 +376,7 @@ def mine_dask(src, # a Parquet dataset (local directory or fsspec URL: s3://…,
         if n:
             st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
             probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'stat', 'value']])[0]
-            sk = sk.map_partitions(_finite_steps)     # whole steps per partition: NaN/Inf steps dropped where they lie, as `mine` does
+            sk = sk.map_partitions(_p.finite_steps)     # whole steps per partition: NaN/Inf steps dropped where they lie, as `mine` does
             found = _p.findings_from_tables(**_dask_tables(sk, run), steps=st, probs=probs, seed=seed)
         else: found = pd.DataFrame(columns=_m.FINDINGS)
         if rows: found.attrs['rows'] = _strkeys(run(sk[sk.stat.isin(list(rows))])[0])

@@ -36,7 +36,7 @@ def site():
     "Build the whole preview with the console script, then dump every page's DOM from chromium."
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / 'site'
-        r = subprocess.run(['opscope-docs-preview', str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        r = subprocess.run(['opscope-docs-preview', str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)   # 17 pages through nbdev's processors on 2 cores
         assert r.returncode == 0, r.stderr[-3000:]
         assert f'{len(PAGES)} page(s)' in r.stdout, r.stdout
 

@@ -164,7 +164,7 @@ def test_no_stat_or_role_is_a_default_na_token():
 def test_plain_read_csv_keeps_every_stat_name(tmp_path):
     m = zoo.transformer(layers=1)
     p = tmp_path / 'sk.csv'
-    rec = record(m, [zoo.example_input(m, seed=700 + s) for s in range(2)], run_id='t', sink=p)
+    rec = record(m, [zoo.example_input(m, seed=700 + s) for s in range(2)], run_id='t', sink=p, keep=True)
     plain = pd.read_csv(p)                                  # pandas' defaults, no keep_default_na
     assert plain.stat.notna().all() and plain.role.notna().all()
     assert set(plain.stat) == set(rec.stat.astype(str)) and {'nan_count', 'inf_count'} <= set(plain.stat)
@@ -174,7 +174,7 @@ def test_plain_read_csv_keeps_every_stat_name(tmp_path):
 def test_schema_1_files_read_with_new_names(tmp_path):
     m = _model()
     new = tmp_path / 'new.csv'
-    rec = record(m, _batches(seed=800, n=2), run_id='v', sink=new)
+    rec = record(m, _batches(seed=800, n=2), run_id='v', sink=new, keep=True)
     old = tmp_path / 'old.csv'
     old.write_text(new.read_text().replace(',nan_count,', ',nan,').replace(',inf_count,', ',inf,'))
     assert pd.read_csv(old).stat.isna().sum() == (rec.stat == 'nan_count').sum()   # what plain pandas did to them
