@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_inject.ipynb #033c35b0
 from __future__ import annotations
-import copy, functools, math, operator, time, weakref
+import contextlib, copy, functools, io, math, operator, time, weakref
 from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
@@ -26,7 +26,8 @@ __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
     if kwargs: raise TypeError("torch.fx symbolic traces take positional inputs only")
-    ShapeProp(gm).propagate(*args)
+    with contextlib.redirect_stderr(io.StringIO()):   # ShapeProp prints the traceback it re-raises; trace falls back on it
+        ShapeProp(gm).propagate(*args)
 
 def _auto_dims(model, args, kwargs):
     "Let torch.export decide, per dimension, whether it is dynamic (batch and sequence length usually are)."
