@@ -219,6 +219,8 @@ def _hostile(d):
     good = d / 'good.csv'
     record(mlp(layers=2), [torch.randn(4, 256)], sink=good)
     (d / 'alien').mkdir(); (d / 'alien' / 'notes.txt').write_text('mine')
+    huge = d / 'huge.csv'                # M = 10^30: once read as int64's minimum, then a SymInt error in plan
+    t = pd.read_csv(good, dtype=str, keep_default_na=False); t.loc[t.index[:3], 'M'] = '1e30'; t.to_csv(huge, index=False)
     return [   # (function, kwargs, what the one line must say)
         ('opscope_seq', dict(out=str(d / 's.csv'), steps=10**12), 'STEPS must be 2 to 20,000'),
         ('opscope_seq', dict(out=str(d / 's.csv'), steps=1), 'STEPS must be 2 to'),
@@ -259,6 +261,8 @@ def _hostile(d):
         ('opscope_mine', dict(inp=str(afile)), 'unknown format'),
         ('opscope_plan', dict(inp=str(good), out=str(afile / 'p.csv')), 'does not exist'),
         ('opscope_plan', dict(inp=str(good), seed=-2), '--seed must be 0 to'),
+        ('opscope_plan', dict(inp=str(huge)), "column 'M' holds 1e+30, outside the int64 range"),
+        ('opscope_mine', dict(inp=str(huge)), "column 'M' holds 1e+30, outside the int64 range"),
         ('opscope_docs_preview', dict(out_dir=str(afile / 'sub')), 'is a file, so the folder cannot be made'),
     ]
 
