@@ -41,7 +41,6 @@ def _clean_runs():
             'opscope-infer': record(moe, moe_batches, run_id='moe')}
     return {k: df.groupby(['run_id', 'step'], observed=True).size() for k, df in runs.items()}
 FORMATS = ('csv', 'parquet', 'dataset')
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
 MIN_STEPS = 3          # steps committed before the signal is sent
 
@@ -84,17 +83,17 @@ def _expected(ref, run_id, step):
     return int(r.loc[min(step, r.index.max())])
 
 
-@pytest.fixture(scope='module')
-def killed_runs(tmp_path_factory):
-    "Every recording CLI × format, each killed by one of the three signals (each CLI and each format sees all three), run concurrently."
-    d = tmp_path_factory.mktemp('faults')
-    rng = random.Random(15)
+KILLS = ([(n, f, sig) for n in LONG for f in FORMATS for sig in (signal.SIGINT, signal.SIGKILL)]   # every CLI × format, both
+         + [(n, FORMATS[i % len(FORMATS)], signal.SIGTERM) for i, n in enumerate(LONG)])        # and each CLI (and format) SIGTERMed
+WAVE = 10              # kills run concurrently, at most this many at once (each child holds torch: ~0.5 GB)
+
+
+def _kill_wave(d, wave, rng):
     jobs = []
-    for i, (name, (fn, long_args)) in enumerate(LONG.items()):
-        for j, fmt in enumerate(FORMATS):
-            sig = SIGNALS[(i + j) % 3]
-            out = _out(d, name, fmt)
-            jobs.append(dict(name=name, fmt=fmt, sig=sig, out=out, proc=_spawn(fn, out, long_args, 0.05), sent=None))
+    for name, fmt, sig in wave:
+        fn, long_args = LONG[name]
+        out = _out(d, f'{name}-{signal.Signals(sig).name}', fmt)
+        jobs.append(dict(name=name, fmt=fmt, sig=sig, out=out, proc=_spawn(fn, out, long_args, 0.05), sent=None))
     deadline = time.monotonic() + 240
     while any(j['sent'] is None for j in jobs) and time.monotonic() < deadline:
         for j in jobs:
@@ -106,10 +105,19 @@ def killed_runs(tmp_path_factory):
         if j['sent'] is None: j['proc'].kill()
         j['stdout'], j['stderr'] = j['proc'].communicate(timeout=120)
         j['rc'] = j['proc'].returncode
+    return jobs
+
+
+@pytest.fixture(scope='module')
+def killed_runs(tmp_path_factory):
+    "Every recording CLI × format killed by SIGINT and by SIGKILL, and each CLI by SIGTERM, in concurrent waves."
+    d = tmp_path_factory.mktemp('faults')
+    rng = random.Random(15)
+    jobs = [j for w in range(0, len(KILLS), WAVE) for j in _kill_wave(d, KILLS[w:w + WAVE], rng)]
     return jobs, _clean_runs()
 
 
-@pytest.mark.parametrize('k', range(len(LONG) * len(FORMATS)))
+@pytest.mark.parametrize('k', range(len(KILLS)))
 def test_killed_cli_keeps_every_finished_step(killed_runs, k):
     jobs, ref = killed_runs
     j = jobs[k]
