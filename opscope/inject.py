@@ -577,7 +577,7 @@ def sketch_groups(x:torch.Tensor, # any tensor; viewed as rows × channels (last
                   bins:int=64, # histogram bins over [-1, 1] of x / the group's absmax
                  )->tuple:
     "The sketch of each group's rows (order of `STATS`, each stat with a leading `groups` dim), in one pass over `x`, at a fixed shape and with no host sync."
-    x2, T = _as_rows(x)
+    x2, T = _as_rows(x.detach())   # read detached, as `sketch`: the statistics never join autograd
     R, C = x2.shape
     G, dt = groups, x2.dtype
     g = group.reshape(-1).long()
