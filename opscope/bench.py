@@ -10,16 +10,17 @@ import pandas as pd
 import psutil
 import torch
 import torch.nn as nn
-from .zoo import DISTS, make_tensor, transformer
+from .zoo import DISTS, make_tensor, transformer, outlier_channels
 from .inject import trace, inject_matmul_stats, compile_injected, sketch, STATS, HIST_SAMPLE, NEARZERO_REL
 from .recorder import record
 from .miner import mine
+from .scale import mine_duckdb
 from .online import OnlineRecorder
 
 # %% auto #0
 __all__ = ['SIZES', 'GOALS', 'bench_model', 'hist_sample_error', 'overhead_table', 'like_for_like', 'sketch_profile',
            'online_table', 'scaling_table', 'tiled_sketches', 'miner_throughput', 'bench_report', 'goal_table',
-           'save_report', 'load_report']
+           'save_report', 'load_report', 'planted_check']
 
 # %% ../nbs/11_bench.ipynb #b006ench
 SIZES = dict(online=dict(layers=4, d=512, seq=128, batch=2),   # OnlineRecorder goal
@@ -225,7 +226,7 @@ def miner_throughput(n_rows:int=10**5, engines=('pandas', 'duckdb'))->pd.DataFra
     df, rows = tiled_sketches(n_rows), []
     for e in engines:
         t0 = time.perf_counter()
-        found, peak = _peak_rss(lambda: mine(df, engine=e))
+        found, peak = _peak_rss(lambda: (mine if e == 'pandas' else mine_duckdb)(df))
         s = time.perf_counter() - t0
         rows.append(dict(engine=e, rows=len(df), findings=len(found), seconds=s, rows_per_s=len(df) / s, peak_mib=peak / 2**20))
     return pd.DataFrame(rows)
@@ -309,3 +310,24 @@ def load_report(path)->dict:
     "The tables of a report saved by `save_report`."
     df = pd.read_csv(path)
     return {k: g.drop(columns='table').dropna(axis=1, how='all').reset_index(drop=True) for k, g in df.groupby('table', sort=False)}
+
+# %% ../nbs/11_bench.ipynb #e58a68be
+def planted_check(findings:pd.DataFrame, sketches:pd.DataFrame, structure_seed:int=0)->pd.DataFrame:
+    "Per sweep run: is the structure planted in its `lhs` found, and only that? (for tests and the docs; `lowrank` may be pointed to or confirmed)"
+    rows = []
+    for run, g in sketches[sketches.role == 'lhs'].groupby('run_id', observed=True):
+        d, K = str(g.dist.iloc[0]), int(g.K.iloc[0])
+        f = findings[(findings.run_id == run) & (findings.role == 'lhs')]
+        ex = set(f.exploit)
+        if d == 'lowrank' and 'low-rank' in ex: ex = ex - {'low-rank'} | {'deep-dump'}   # the pointer, confirmed by a probe
+        sk = f[f.exploit == 'sparse-gemm'].value
+        want = {'gaussian': set(), 'uniform': set(), 'relu': {'sparse-gemm'}, 'sparse90': {'sparse-gemm'},
+                'outlier': {'channel-outliers'}, 'heavytail': {'spiky'}, 'lowrank': {'deep-dump'}}[d]
+        extra = ex - want - {'int8', 'int4'} - ({'spiky'} if d == 'outlier' else set())
+        ok = want <= ex and not extra
+        if d == 'outlier':
+            ok &= sorted(f[f.exploit == 'channel-outliers'].idx) == outlier_channels(K, structure_seed)
+        if d in ('relu', 'sparse90'):
+            ok &= abs(1 - sk.iloc[0] - {'relu': .5, 'sparse90': .9}[d]) < 0.03
+        rows.append(dict(run_id=run, dist=d, found=' '.join(sorted(ex)), ok=bool(ok)))
+    return pd.DataFrame(rows)

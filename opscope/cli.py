@@ -4,19 +4,30 @@
 
 # %% ../nbs/09_cli.ipynb #d15a85aa
 from __future__ import annotations
-import contextlib, linecache, os, signal, sys, tempfile
+import contextlib, math, os, signal, sys, tempfile, warnings
 from pathlib import Path
+import pandas as pd
 from fastcore.script import call_parse, Param
-import opscope
-from .recorder import Recorder, InputError, COMMIT_SUFFIX, record
+from .tables import InputError, atomic_write
+from .zoo import seq_model, stepped_sequence, mnist_mlp, mnist_batches, infer_workload, INFER_MODELS
+from .recorder import Recorder, COMMIT_SUFFIX, record, read_sketches, sweep, SWEEP_SHAPES
+from .miner import mine, confirm_low_rank, step_table, drop_nonfinite_steps, KEYS, INFER_EXPLOITS
+from .probe import model_tensors, probe, probe_report, save_tensors, sweep_ranks, PROBE_MODELS
+from .shapes import shapes_model, op_costs, roofline, shapes_report
+from .flow import zoo_graph, op_motifs, dataflow_motifs, load_graph
+from .scale import mine_duckdb, mine_dask, select_sketches
+from .plan import plan, format_plan, format_channels
+from .docs import docs_preview
+from .bench import bench_report, goal_table, save_report
+from .runners import load_factory, load_hf, read_prompts, record_hf
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX',
            'SWEEP_MAX_STEPS', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS',
-           'CliError', 'cli_errors', 'atomic_output', 'opscope_probe', 'opscope_shapes', 'check_recording_out',
-           'recording', 'check_whole_out', 'in_range', 'positive', 'opscope_sweep', 'format_findings', 'opscope_mine',
-           'record_to', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph',
-           'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record']
+           'CliError', 'cli_errors', 'opscope_probe', 'opscope_shapes', 'check_recording_out', 'recording',
+           'check_whole_out', 'in_range', 'positive', 'opscope_sweep', 'format_findings', 'opscope_mine', 'record_to',
+           'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview',
+           'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record']
 
 # %% ../nbs/09_cli.ipynb #3615fb9d
 class CliError(Exception):
@@ -24,23 +35,12 @@ class CliError(Exception):
 
 EXPECTED_ERRORS = (CliError, InputError, OSError, ImportError, NotImplementedError)   # input and environment, never a bug
 
-def _raised_by_opscope(e:BaseException)->bool:
-    "True for a `ValueError`/`KeyError` that an explicit `raise` in opscope's own code threw (an input check), not one from a library or a lookup."
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None: tb = tb.tb_next
-    if tb is None: return False
-    f = tb.tb_frame.f_code.co_filename
-    return Path(f).resolve().parent == _PKG and 'raise ' in linecache.getline(f, tb.tb_lineno)
-
-_PKG = Path(opscope.__file__).resolve().parent
-
 def _message(e:BaseException)->str:
     "The one line printed for an expected error: an OS error as `path: reason`."
     if isinstance(e, OSError) and e.strerror:
         where = ' → '.join(str(p) for p in (e.filename, e.filename2) if p is not None)
         return f"{where}: {e.strerror}" if where else e.strerror
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return f"missing {msg}" if isinstance(e, KeyError) else msg
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 @contextlib.contextmanager
 def cli_errors(prog:str): # the command's name, printed before the message
@@ -48,27 +48,9 @@ def cli_errors(prog:str): # the command's name, printed before the message
     try: yield
     except BrokenPipeError:                       # `opscope-mine x.csv | head`: the reader left, not an error
         sys.stderr.close(); raise SystemExit(0)
-    except (ValueError, KeyError) + EXPECTED_ERRORS as e:
-        if not isinstance(e, EXPECTED_ERRORS) and not _raised_by_opscope(e): raise
+    except EXPECTED_ERRORS as e:
         print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
-
-# %% ../nbs/09_cli.ipynb #01e7c03f
-@contextlib.contextmanager
-def atomic_output(path): # the file the block produces
-    "Yield a temporary path next to `path`; move it into place (fsynced) only if the block completes: for small whole files, never a recording stream."
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0); os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)        # mkstemp makes 0600; the result should look like any new file
-    try:
-        yield Path(tmp)
-        with open(tmp, 'rb') as f: os.fsync(f.fileno())   # durable before it takes the name
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp): os.unlink(tmp)
 
 # %% ../nbs/09_cli.ipynb #617c831f
 PROBE_MAX_BATCH = dict(mnist=5000, minilm=8, transformer=4096)
@@ -84,21 +66,17 @@ def opscope_probe(model:str='mnist', # mnist, minilm or transformer
     "Probe a model's weights and activations (effective rank, rank at 99% energy, 2:4, int8/int4 SQNR, distinct values), or close a sweep's deep-dump pointers."
     with cli_errors('opscope-probe'):
         if sweep: return _probe_sweep(sweep, seed)
-        from opscope.probe import model_tensors, probe, probe_report, save_tensors, PROBE_MODELS
         if model not in PROBE_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(PROBE_MODELS)}")
         in_range('--batch', batch, 1, PROBE_MAX_BATCH[model], PROBE_WHY[model])
         if dump: check_whole_out(dump, '.safetensors')
         ts = model_tensors(model, batch)
         if dump:
-            with atomic_output(dump) as tmp: save_tensors(tmp, ts)
+            with atomic_write(dump) as tmp: save_tensors(tmp, ts)
         print(probe_report(probe(ts)))
         if dump: print(f'\nsaved {len(ts)} tensors to {dump}')
 
 def _probe_sweep(path, seed):
     "Each deep-dump pointer of the sweep at `path`, confirmed as low-rank or retracted, one line each."
-    from opscope.recorder import read_sketches
-    from opscope.miner import mine, confirm_low_rank, KEYS
-    from opscope.probe import sweep_ranks
     sk = read_sketches(path)
     found = mine(sk)
     closed = confirm_low_rank(found, sweep_ranks(found, seed), sk[KEYS].drop_duplicates())
@@ -123,7 +101,6 @@ def opscope_shapes(model:Param('mlp, transformer, moe, mnist, or a torchvision c
                   ):
     "Per-op FLOPs, bytes and intensity of a model, its roofline on this machine, and its hot GEMM shapes."
     with cli_errors('opscope-shapes'):
-        from opscope.shapes import shapes_model, op_costs, roofline, shapes_report
         in_range('--batch', batch, 1, SHAPES_MAX_BATCH, "zoo models run one real forward at this batch")
         in_range('--top', top, 1)
         if peak_flops is not None: positive('--peak_flops', peak_flops, "FLOP/s")
@@ -191,7 +168,7 @@ def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
         rec.close()
         signal.signal(signal.SIGTERM, old)
 
-def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_output`
+def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_write`
                     suffix:str='.csv', # the extension it must have
                    )->Path:
     "OUT for a findings or plan table, refused up front when it has the wrong extension or its folder cannot be written."
@@ -208,7 +185,6 @@ def in_range(name:str, # the argument, as the user types it (`--steps`, `LAYERS`
              why:str='', # what the bound protects, shown with it
             ):
     "`value`, or a `CliError` that states the allowed range and why."
-    import math
     if isinstance(value, float) and not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
         rng = (f"{lo:,} to {hi:,}" if lo is not None and hi is not None else f"at least {lo:,}" if lo is not None else f"at most {hi:,}")
         raise CliError(f"{name} must be {rng}{f' ({why})' if why else ''}, not {value}")
@@ -216,7 +192,6 @@ def in_range(name:str, # the argument, as the user types it (`--steps`, `LAYERS`
 
 def positive(name:str, value:float, why:str='')->float:
     "`value` if it is a positive finite number, else a `CliError` saying so."
-    import math
     if not (math.isfinite(value) and value > 0): raise CliError(f"{name} must be a positive finite number{f' ({why})' if why else ''}, not {value}")
     return value
 
@@ -232,7 +207,6 @@ def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or 
                  ):
     "Record the synthetic sweep (4 matmul shapes × 7 planted distributions) to OUT."
     with cli_errors('opscope-sweep'):
-        from opscope.recorder import sweep, SWEEP_SHAPES
         in_range('--steps', steps, 1, SWEEP_MAX_STEPS, "each step is a fresh call of all 28 runs")
         in_range('--seed', seed, 0, SEED_MAX - SWEEP_MAX_STEPS)
         with recording(out, 'opscope-sweep', force) as rec:
@@ -243,8 +217,6 @@ def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or 
 # %% ../nbs/09_cli.ipynb #ae09cec3
 def format_findings(findings, sketches=None)->str:
     "Aligned text, one line per tap: its density, then every finding (channel findings list their channels)."
-    import pandas as pd
-    from opscope.plan import format_channels
     keys = ['run_id', 'dist', 'site', 'role']
     notes = {}
     for k, g in findings.groupby(keys + ['exploit'], sort=False):
@@ -255,7 +227,6 @@ def format_findings(findings, sketches=None)->str:
     drift = {} if cs is None else {tuple(map(str, k)): ('stationary' if r.stationary else f'drift {r.drift:.0%}/step')
                                    for k, r in cs.iterrows() if r.steps >= 2}
     if sketches is not None:
-        from opscope.miner import step_table, drop_nonfinite_steps
         every = [tuple(map(str, k)) for k in sketches[sketches.stat == 'density'].groupby(keys, observed=True).size().index]
         clean = drop_nonfinite_steps(sketches, step_table(sketches))   # a NaN/Inf step's density describes NaN-zeroed data
         dens = {tuple(map(str, k)): v for k, v in clean[clean.stat == 'density'].groupby(keys, observed=True).value.mean().items()}
@@ -278,17 +249,12 @@ def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet data
                 ):
     "Mine a sketches file or dataset and print its findings as aligned text."
     with cli_errors('opscope-mine'):
-        from opscope.recorder import read_sketches
-        from opscope.miner import mine
-        import warnings
         if engine not in ('pandas', 'duckdb', 'dask'): raise CliError(f"--engine must be pandas, duckdb or dask, not {engine!r}")
         if scheduler is not None and engine != 'dask': raise CliError("--scheduler needs --engine dask")
         if out is not None: check_whole_out(out)
         if engine == 'duckdb':
-            from opscope.scale import mine_duckdb, select_sketches
             found, df = mine_duckdb(inp), select_sketches(inp, ['density'])   # only the rows the report prints
         elif engine == 'dask':
-            from opscope.scale import mine_dask
             found = mine_dask(inp, client=scheduler, rows=('density',)); df = found.attrs.pop('rows')
         else:
             with warnings.catch_warnings(record=True) as caught:
@@ -298,7 +264,7 @@ def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet data
             found = mine(df)
         print(format_findings(found, df))
         if out is not None:
-            with atomic_output(out) as tmp: found.to_csv(tmp, index=False)
+            with atomic_write(out) as tmp: found.to_csv(tmp, index=False)
             print(f"\n{len(found)} findings → {out}")
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c
@@ -327,7 +293,6 @@ def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a 
                ):
     "Record a decode-like stepped run of the causal zoo transformer to OUT."
     with cli_errors('opscope-seq'):
-        from opscope.zoo import seq_model, stepped_sequence
         in_range('STEPS', steps, 2, SEQ_MAX_STEPS, "a prefill and decode calls; the token stream is built in memory")
         in_range('--seed', seed, 0, SEED_MAX)
         record_to(out, lambda: (seq_model(), stepped_sequence(steps, seed=seed)), 'seq', 'seq', 'opscope-seq', force)
@@ -340,7 +305,6 @@ def opscope_mnist(out:str, # the sketches to write: a .csv or .parquet file, or 
                  ):
     "Record the MNIST MLP on real MNIST pixels to OUT."
     with cli_errors('opscope-mnist'):
-        from opscope.zoo import mnist_mlp, mnist_batches
         in_range('BATCHES', batches, 1, MNIST_MAX_BATCHES, "60,000 MNIST training images in batches of 64")
         in_range('--seed', seed, 0, SEED_MAX)
         record_to(out, lambda: (mnist_mlp(), mnist_batches(batches, seed=seed)), 'mnist', 'mnist', 'opscope-mnist', force)
@@ -358,7 +322,6 @@ def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int
                   ):
     "Recurring op chains (motif, length, count) of the zoo MLP stack."
     with cli_errors('opscope-motifs'):
-        from opscope.flow import zoo_graph, op_motifs
         in_range('LAYERS', layers, 1, MAX_LAYERS, "the model is built and traced in memory")
         in_range('--max_len', max_len, 1, MAX_CHAIN, "chains are counted at every length up to it")
         g = zoo_graph('mlp', layers)
@@ -372,7 +335,6 @@ def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='
                 ):
     "Repeated dataflow blocks of a zoo model, each with its count, size, op types and fusion label."
     with cli_errors('opscope-flow'):
-        from opscope.flow import zoo_graph, dataflow_motifs
         in_range('LAYERS', layers, 1, MAX_LAYERS, "the model is built and traced in memory")
         in_range('--depth', depth, 1)
         g = zoo_graph(model, layers)
@@ -386,7 +348,6 @@ def opscope_graph(file:str, # a graph file: .txt/.edges/.el edge list, .onnx, or
                  ):
     "Repeated dataflow blocks and the most frequent op chains of a graph from any workspace."
     with cli_errors('opscope-graph'):
-        from opscope.flow import load_graph, dataflow_motifs, op_motifs
         in_range('--max_len', max_len, 1, MAX_CHAIN, "chains are counted at every length up to it")
         in_range('--top', top, 1)
         g = load_graph(file)
@@ -403,7 +364,6 @@ def opscope_docs_preview(out_dir:str, # folder for the HTML pages (created; page
                         ):
     "Build the docs preview into OUT_DIR: one HTML page per notebook, with the site's sidebar."
     with cli_errors('opscope-docs-preview'):
-        from opscope.docs import docs_preview
         out = Path(out_dir)
         if out.exists() and not out.is_dir(): raise CliError(f"{out_dir} exists and is not a folder")
         base = next(p for p in [out, *out.parents] if p.exists())
@@ -422,9 +382,6 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
                 ):
     "Plan specialized kernels for a sketches file: guard, its stability, estimated and measured speedup."
     with cli_errors('opscope-plan'):
-        from opscope.recorder import read_sketches
-        from opscope.plan import plan, format_plan
-        import warnings
         in_range('--seed', seed, 0, SEED_MAX)
         if out is not None: check_whole_out(out)
         with warnings.catch_warnings(record=True) as caught:
@@ -434,7 +391,7 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
         p = plan(df, seed=seed)
         print(format_plan(p))
         if out is not None:
-            with atomic_output(out) as tmp: p.to_csv(tmp, index=False)
+            with atomic_write(out) as tmp: p.to_csv(tmp, index=False)
             print(f"\n{len(p)} plan rows → {out}")
 
 # %% ../nbs/09_cli.ipynb #667a11d5
@@ -459,9 +416,6 @@ def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or 
     "Record attention and routing dynamics of the zoo transformer and MoE and the real MiniLM to OUT; print the findings."
     if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens, force)
     with cli_errors('opscope-infer'):
-        from opscope.zoo import infer_workload, INFER_MODELS
-        from opscope.miner import mine, INFER_EXPLOITS
-        import pandas as pd
         if model is not None and model not in INFER_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(INFER_MODELS)}")
         in_range('--steps', steps, 1, INFER_MAX_STEPS, "every row is kept in memory to mine at the end")
         check_recording_out(out, force)
@@ -488,19 +442,17 @@ def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torc
                  ):
     "Run the benchmark page's measurements; print every table and the goals, met or missed."
     with cli_errors('opscope-bench'):
-        from opscope.bench import bench_report, goal_table, save_report   # imported where used, as the other commands here
         if out: p = check_whole_out(out)
         rep = bench_report(full=full, miner_rows=miner_rows, compile=True if full or compile else False)
         for k, t in rep.items(): print(f"{k}:\n{t.round(3).to_string(index=False)}\n", flush=True)
         print(goal_table(rep).round(3).to_string(index=False))
         if out:
-            with atomic_output(p) as tmp: save_report(rep, tmp)
+            with atomic_write(p) as tmp: save_report(rep, tmp)
             print(f"wrote {p}")
 
 # %% ../nbs/09_cli.ipynb #f374fc4b
 def _user_job(model, hf, prompts, max_new_tokens, keep):
     "`(name, run)` for --model FILE.py:FACTORY or --hf DIR --prompts FILE, checked: `run(sink)` records into the sink."
-    from opscope.runners import load_factory, load_hf, read_prompts, record_hf
     if (model is None) == (hf is None): raise CliError("give one of --model FILE.py:FACTORY or --hf DIR")
     if hf is not None:
         if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
@@ -534,7 +486,6 @@ def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a datase
 def _infer_user(out, model, hf, prompts, max_new_tokens, force):
     "`opscope-infer` on a user's model: record it to OUT and print the attention and routing findings."
     with cli_errors('opscope-infer'):
-        from opscope.miner import mine, INFER_EXPLOITS
         check_recording_out(out, force)
         name, run = _user_job(model, hf, prompts, max_new_tokens, keep=True)
         with recording(out, 'opscope-infer', force) as rec: df = run(rec)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import functools, html, os, re
 from pathlib import Path
+from .tables import InputError, atomic_write
 
 # %% auto #0
 __all__ = ['sidebar_entries', 'sidebar_pages', 'process_nb', 'quarto_cells', 'quarto_id', 'page_html', 'docs_preview']
@@ -36,11 +37,11 @@ def sidebar_entries(nbs_path=None, # the notebooks folder (default: nbdev's `nbs
         for it in items or []:
             if isinstance(it, str): it = {'href': it}
             if 'section' in it: walk(it.get('contents'), it['section']); continue
-            if 'href' not in it: raise ValueError(f"{path}: sidebar item without href: {it}")
+            if 'href' not in it: raise InputError(f"{path}: sidebar item without href: {it}")
             nb, _, anchor = str(it['href']).partition('#')
             rows.append(dict(section=section, nb=nb, anchor=anchor, text=it.get('text')))
     contents = side.get('contents') if isinstance(side, dict) else None
-    if not contents: raise ValueError(f"{path}: expected website.sidebar.contents")
+    if not contents: raise InputError(f"{path}: expected website.sidebar.contents")
     walk(contents, None)
     return rows
 
@@ -63,7 +64,7 @@ def process_nb(path, # a notebook
         lines = str(e).splitlines()
         where = f"the cell `{lines[1].strip()}`" if len(lines) > 1 and 'in cell' in lines[0] else lines[0]
         cause = e.__cause__ or e
-        raise ValueError(f"{path.name}: {where} fails in nbdev's docs processing ({type(cause).__name__}: {cause}); "
+        raise InputError(f"{path.name}: {where} fails in nbdev's docs processing ({type(cause).__name__}: {cause}); "
                          "nbdev_docs executes every cell that imports: keep imports in cells of their own") from e
     finally:
         if was is None: os.environ.pop('IN_TEST', None)
@@ -201,12 +202,11 @@ def docs_preview(out_dir, # the folder for the HTML pages
                  n_workers:int=0, # processes building pages; 0 (in this process) is fastest on a busy machine
                 )->list[Path]:
     "Build the preview site: one HTML page per sidebar notebook, with the sidebar on each; returns the paths."
-    from opscope.cli import atomic_output
     nbs = _nbs_path(nbs_path)
     entries, all_pages = sidebar_entries(nbs), sidebar_pages(nbs)
     todo = list(pages) if pages is not None else all_pages
     unknown = [p for p in todo if p not in all_pages]
-    if unknown: raise ValueError(f"not in {nbs / 'sidebar.yml'}: {', '.join(unknown)}")
+    if unknown: raise InputError(f"not in {nbs / 'sidebar.yml'}: {', '.join(unknown)}")
     missing = [p for p in todo if not (nbs / p).exists()]
     if missing: raise FileNotFoundError(f"{nbs / 'sidebar.yml'} lists notebook(s) that do not exist: {', '.join(missing)}")
     cfg = _need('nbdev.config').get_config()
@@ -220,7 +220,7 @@ def docs_preview(out_dir, # the folder for the HTML pages
     res = parallel(_build_page, todo, nbs=nbs, links=links, site_title=site_title, n_workers=min(n_workers, len(todo)),
                    method='spawn', progress=False)
     failed = [err for _, _, _, err in res if err]
-    if failed: raise ValueError(f"{len(failed)} page(s) cannot be built, as nbdev_docs could not (keep imports in cells "
+    if failed: raise InputError(f"{len(failed)} page(s) cannot be built, as nbdev_docs could not (keep imports in cells "
                                 f"of their own): {' | '.join(failed)}")
     for p, fm, _, _ in res:
         for e in entries:
@@ -228,7 +228,7 @@ def docs_preview(out_dir, # the folder for the HTML pages
     out = []
     for p, _, page, _ in res:
         path = Path(out_dir) / names[p]
-        with atomic_output(path) as tmp: tmp.write_text(page.replace(_NAV, _nav(entries, names[p], site_title), 1))
+        with atomic_write(path) as tmp: tmp.write_text(page.replace(_NAV, _nav(entries, names[p], site_title), 1))
         out.append(path)
     return out
 

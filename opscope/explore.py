@@ -8,7 +8,8 @@ from pathlib import Path
 import pandas as pd
 import matplotlib.pyplot as plt
 import seaborn as sns
-from .recorder import SCHEMA, read_sketches
+from .tables import InputError, SCHEMA, require_columns, as_strings
+from .recorder import read_sketches
 
 # %% auto #0
 __all__ = ['STAT_KINDS', 'stat_kind', 'stat_frame', 'plot_stat', 'Explorer', 'explore']
@@ -25,11 +26,10 @@ def _sketches(df):
     "A sketches DataFrame from `df` (a DataFrame or a path), with a clear error on anything else."
     if isinstance(df, (str, Path)): return read_sketches(df)
     if not isinstance(df, pd.DataFrame): raise TypeError(f"expected a sketches DataFrame or a file path, got {type(df).__name__}")
-    missing = [c for c in SCHEMA if c not in df.columns]
-    if missing: raise ValueError(f"not a sketches table: missing column(s) {', '.join(missing)}")
-    return df
+    require_columns(df.columns, SCHEMA, 'not a sketches table')
+    return as_strings(df)
 
-def _choices(df, col): return sorted(df[col].astype(str).unique())
+def _choices(df, col): return sorted(df[col].unique())
 
 # %% ../nbs/02a_explore.ipynb #ea30b2cd
 def stat_frame(df, # sketches: a DataFrame or a .csv/.parquet path
@@ -41,10 +41,10 @@ def stat_frame(df, # sketches: a DataFrame or a .csv/.parquet path
     sel = {'run_id': run, 'site': site, 'role': role, 'stat': stat}
     for col, v in sel.items():
         if v is None: continue
-        ok = df[col].astype(str) == str(v)
-        if not ok.any(): raise ValueError(f"no rows with {col}={v!r}; choices: {', '.join(_choices(df, col))}")
+        ok = df[col] == str(v)
+        if not ok.any(): raise InputError(f"no rows with {col}={v!r}; choices: {', '.join(_choices(df, col))}")
         df = df[ok]
-    return df.assign(**{c: df[c].astype(str) for c in ('run_id', 'site', 'role', 'stat')}).reset_index(drop=True)
+    return df.reset_index(drop=True)
 
 # %% ../nbs/02a_explore.ipynb #bb5a5a52
 def _bin_centers(n): return (pd.RangeIndex(n) + 0.5) / n * 2 - 1
@@ -96,7 +96,7 @@ class Explorer:
         self.widget = W.VBox([W.HBox([self.run, self.site, self.role, self.stat]), self.out])
 
     def _rows(self):
-        return self.df if self.run.value in (None, '(all)') else self.df[self.df.run_id.astype(str) == self.run.value]
+        return self.df if self.run.value in (None, '(all)') else self.df[self.df.run_id == self.run.value]
 
     def _cascade(self):
         "Narrow site → role → stat to what the selection holds, then redraw once."
@@ -108,7 +108,7 @@ class Explorer:
                 if list(w.options) != opts:
                     keep = w.value if w.value in opts else opts[0]
                     w.options = opts; w.value = keep
-                d = d[d[col].astype(str) == w.value]
+                d = d[d[col] == w.value]
         finally: self._busy = False
         self.draw()
 

@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 import pandas as pd
+from . import zoo
+from .tables import InputError
 
 # %% auto #0
 __all__ = ['OP_ALIASES', 'ONNX_ALIASES', 'STRUCTURAL_OPS', 'GRAPH_FORMATS', 'MATMUL_OPS', 'ACTIVATION_OPS', 'EPILOGUE_OPS',
@@ -191,10 +193,9 @@ def zoo_graph(kind:str='transformer', # `mlp`, `transformer` or `moe`
               layers:int=6, # how many layers the zoo model has
              )->OpGraph:
     "The `OpGraph` of a zoo model, symbolically traced with torch.fx."
-    if kind not in ('mlp', 'transformer', 'moe'): raise ValueError(f"unknown zoo model {kind!r}; choose one of mlp, transformer, moe")
-    if int(layers) < 1: raise ValueError(f"layers must be at least 1, got {layers}")
+    if kind not in ('mlp', 'transformer', 'moe'): raise InputError(f"unknown zoo model {kind!r}; choose one of mlp, transformer, moe")
+    if int(layers) < 1: raise InputError(f"layers must be at least 1, got {layers}")
     import torch.fx
-    from opscope import zoo
     builders = dict(mlp=lambda: zoo.mlp(layers + 1), transformer=lambda: zoo.transformer(layers),
                     moe=lambda: zoo.moe(layers))
     return from_fx(torch.fx.symbolic_trace(builders[kind]()), f"zoo.{kind}({layers} layers)")
@@ -212,7 +213,7 @@ def _pt2_program(path):
     "The JSON program inside a `.pt2` archive (no weights are read)."
     with zipfile.ZipFile(path) as z:
         names = [n for n in z.namelist() if re.search(r'(^|/)models/[^/]+\.json$', n)]
-        if not names: raise ValueError('no models/*.json program in the archive')
+        if not names: raise InputError('no models/*.json program in the archive')
         return json.loads(z.read(sorted(names, key=lambda n: not n.endswith('/model.json'))[0]))
 
 def _sizes(tv):
@@ -286,7 +287,7 @@ def from_onnx(model, # an `onnx.ModelProto`, or the path of a `.onnx` file
         if not path.exists(): raise FileNotFoundError(f"{path}: no such file")
         try:
             model = onnx.load(str(path), load_external_data=False)
-            if not len(model.graph.node): raise ValueError('the graph has no nodes')
+            if not len(model.graph.node): raise InputError('the graph has no nodes')
         except Exception as e: raise GraphError(f"{path}: not a readable ONNX model ({type(e).__name__}: {e})".splitlines()[0]) from None
         source = source or str(path)
     source = source or (model.graph.name or 'onnx model')

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
+from .tables import InputError
 
 # %% auto #0
 __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
@@ -51,7 +52,7 @@ def trace(model:nn.Module, # the model to trace (left untouched)
           how:str='auto', # 'fx', 'export', or 'auto' (fx, then export if fx fails)
           **example_kwargs)->fx.GraphModule:
     "A `GraphModule` of `model` with example shapes on every node: torch.fx first, `torch.export` as fallback."
-    if how not in ('auto', 'fx', 'export'): raise ValueError(f"how must be 'auto', 'fx' or 'export', not {how!r}")
+    if how not in ('auto', 'fx', 'export'): raise InputError(f"how must be 'auto', 'fx' or 'export', not {how!r}")
     fx_error = None
     if how in ('auto', 'fx'):
         try:
@@ -210,7 +211,7 @@ def expert_site(name:str, # the grouped matmul's site name
 def _expert_sites(name, op, node, lhs, rhs, extra):
     "One `Site` per expert of a grouped matmul (the expert count from the weight's shape)."
     ws = extra.get('weight_shape') or _meta_shape(rhs)
-    if ws is None or ws[0] is None: raise ValueError(f"cannot tell how many experts {node.format_node()} has: no shape on its weight")
+    if ws is None or ws[0] is None: raise InputError(f"cannot tell how many experts {node.format_node()} has: no shape on its weight")
     return [Site(expert_site(name, e), op, node, lhs, rhs, 'expert', dict(extra, expert=e, experts=ws[0])) for e in range(ws[0])]
 
 def site_names(gm:fx.GraphModule)->dict:
@@ -377,7 +378,7 @@ def refresh_static(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass ov
             if not force and st['fp'].get(name) == fp: continue
             buf, new = getattr(gm, name), _flat_sketch(w, st['bins'])
             if new.shape != buf.shape or new.device != buf.device:
-                raise ValueError(f"weight {path} changed shape or device since injection ({tuple(buf.shape)} on {buf.device}); "
+                raise InputError(f"weight {path} changed shape or device since injection ({tuple(buf.shape)} on {buf.device}); "
                                  "inject the graph again")
             buf.copy_(new)
             st['fp'][name] = fp
@@ -426,7 +427,7 @@ def _meta_val(x, gm):
     if isinstance(v, torch.Tensor): return v.to('meta') if v.device.type != 'meta' else v
     if isinstance(v, (tuple, list)): return v          # a multi-output op's values (chunk)
     if tm is not None and hasattr(tm, 'shape'): return torch.empty(tuple(_hint(d) for d in tm.shape), dtype=tm.dtype, device='meta')
-    raise ValueError(f'no shape on {x.format_node()}')
+    raise InputError(f'no shape on {x.format_node()}')
 
 def _get_attr(gm, path):
     mod, _, name = path.rpartition('.')
@@ -754,7 +755,7 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
     if decompose: gm = decompose_attention(gm)
     sites = matmul_sites(gm)
     if not sites:
-        raise ValueError(f"no matmul sites in {type(gm).__name__}: opscope taps nn.Linear, F.linear, matmul/@, mm, "
+        raise InputError(f"no matmul sites in {type(gm).__name__}: opscope taps nn.Linear, F.linear, matmul/@, mm, "
                          "bmm, addmm, baddbmm, two-operand einsum, convolutions and grouped (expert) matmuls, "
                          "and found none of them in the graph")
     graph = copy.deepcopy(gm.graph)
@@ -916,10 +917,10 @@ def _decompose_one(graph, node):
     "Replace one SDPA call node by matmul, scale + mask, softmax, matmul nodes carrying its module path."
     import inspect
     try: b = inspect.signature(_sdpa_signature).bind(*node.args, **node.kwargs)
-    except TypeError as e: raise ValueError(f"cannot read the arguments of {node.format_node()}: {e}") from None
+    except TypeError as e: raise InputError(f"cannot read the arguments of {node.format_node()}: {e}") from None
     b.apply_defaults(); a = b.arguments
     if isinstance(a['dropout_p'], fx.Node) or a['dropout_p'] != 0:
-        raise ValueError(f"cannot decompose {node.format_node()}: dropout_p={a['dropout_p']} (attention dropout is random; "
+        raise InputError(f"cannot decompose {node.format_node()}: dropout_p={a['dropout_p']} (attention dropout is random; "
                          "put the model in eval mode)")
     q, k, v, gqa = a['query'], a['key'], a['value'], a['enable_gqa']
     made = []
@@ -995,7 +996,7 @@ def infer_sites(gm:fx.GraphModule, # from `trace`
         c = _infer_kind(gm, node)
         if c is None or c[0] not in kinds or (c[0] == 'softmax' and _is_router(gm, node)): continue
         kind, op, dim = c
-        if dim is None: raise ValueError(f"softmax without an explicit dim at {node.format_node()}: opscope needs to know the key dim")
+        if dim is None: raise InputError(f"softmax without an explicit dim at {node.format_node()}: opscope needs to know the key dim")
         path, _ = _module_path(node)
         name = f'{path}.{op}' if path else op
         n = seen.get(name, 0); seen[name] = n + 1
@@ -1033,10 +1034,10 @@ def inject_infer_stats(gm:fx.GraphModule, # from `trace` (or already injected); 
                       )->fx.GraphModule:
     "A new `GraphModule` returning `(primary, stats)` with attention stats at softmax sites and routing stats at top-k sites."
     bad = set(taps) - set(INFER_KINDS)
-    if bad: raise ValueError(f"unknown tap kind(s) {', '.join(sorted(bad))}; inject_infer_stats taps {', '.join(INFER_KINDS)}")
+    if bad: raise InputError(f"unknown tap kind(s) {', '.join(sorted(bad))}; inject_infer_stats taps {', '.join(INFER_KINDS)}")
     src = decompose_attention(gm) if decompose and 'softmax' in taps else gm
     sites = infer_sites(src, taps)
-    if not sites: raise ValueError(f"no {' or '.join(taps)} sites in {type(gm).__name__}: opscope taps torch.softmax, "
+    if not sites: raise InputError(f"no {' or '.join(taps)} sites in {type(gm).__name__}: opscope taps torch.softmax, "
                                    "F.softmax, .softmax, nn.Softmax, scaled_dot_product_attention and torch.topk")
     graph = copy.deepcopy(src.graph)
     cls = type(gm).__name__

@@ -6,6 +6,8 @@
 from __future__ import annotations
 import numpy as np
 import pandas as pd
+from .tables import InputError, MINE_COLS, require_columns, as_strings
+from .recorder import read_sketches
 
 # %% auto #0
 __all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO',
@@ -14,11 +16,13 @@ __all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DE
            'COHERENCE_VN_MAX', 'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX',
            'WINDOW_LIFT', 'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'INFER_EXPLOITS', 'NONFINITE_MAX', 'STEP_STATS',
            'TAP_RULES', 'CHANNEL_RULES', 'CROSS_RULES', 'MASK_VETO', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING',
-           'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'rule_sparse', 'rule_quant',
-           'rule_spiky', 'rule_tokens', 'rule_coherence', 'rule_deep_dump', 'rule_dead_channels',
-           'rule_outlier_channels', 'relative_range', 'cross_step', 'rule_stationary', 'rule_drift_coherence',
+           'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'derived_features',
+           'rule_sparse', 'rule_quant', 'rule_spiky', 'rule_tokens', 'rule_coherence', 'rule_deep_dump',
+           'rule_dead_channels', 'rule_outlier_channels', 'outlier_rows', 'usual_steps', 'step_matrix',
+           'relative_range', 'cross_step', 'cross_table', 'rule_stationary', 'rule_drift_coherence',
            'rule_attention_sink', 'rule_kv_eviction', 'rule_windowed', 'rule_experts', 'infer_features', 'step_table',
-           'drop_nonfinite_steps', 'rule_nonfinite', 'rule_constant', 'mine', 'confirm_low_rank', 'planted_check']
+           'step_frame', 'drop_nonfinite_steps', 'rule_nonfinite', 'rule_constant', 'mine', 'drop_masked',
+           'collect_findings', 'confirm_low_rank']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
@@ -81,12 +85,12 @@ def tap_features(df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
                 )->pd.DataFrame:
     "One row per tap (run_id, dist, site, role) with the features the rules read, pooled over steps."
     f = pd.concat([_scalar_features(df), _hist_features(df), _row_features(df), _chan_features(df)], axis=1)
-    return _derived(f, df.groupby(KEYS, observed=True).step.nunique())
+    return derived_features(f, df.groupby(KEYS, observed=True).step.nunique())
 
 FEATURES = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel',
             'kurtosis_all', 'cv2', 'rows', 'rows90', 'outlier_ratio', 'channels')
 
-def _derived(f, steps):
+def derived_features(f, steps):
     "The features computed from the pooled reductions `f` (shared with the DuckDB engine, `scale.mine_duckdb`)."
     f = f.reindex(columns=list(dict.fromkeys(list(FEATURES) + list(f.columns)))).astype(float)  # a stat no row holds: NaN, no rule fires
     f['kurtosis'] = f.kurtosis_all * f.density.where(f.density > 0)   # no non-zero values: no kurtosis of them
@@ -171,7 +175,7 @@ def rule_dead_channels(df):
 
 def rule_outlier_channels(df):
     "`channel-outliers`: channels OUTLIER_RATIO× the median channel's absmax in at least OUTLIER_PERSIST of steps."
-    return _outlier_rows(_outlier_share(df))
+    return outlier_rows(_outlier_share(df))
 
 def _outlier_share(df):
     "Per (tap, channel): the share of steps its absmax is > OUTLIER_RATIO× the step's median channel's, and its mean ratio."
@@ -181,7 +185,7 @@ def _outlier_share(df):
     r['hit'] = r.ratio > OUTLIER_RATIO
     return r.groupby(KEYS + ['idx'], observed=True).agg(share=('hit', 'mean'), value=('ratio', 'mean')).reset_index()
 
-def _outlier_rows(per):
+def outlier_rows(per):
     "`channel-outliers` findings from `_outlier_share`'s table (shared with the DuckDB engine)."
     out = per[per.share >= OUTLIER_PERSIST].copy()
     if out.empty: return pd.DataFrame(columns=FINDINGS)
@@ -198,7 +202,7 @@ COHERENCE_P = 0.01       # consecutive steps coherent when no shuffle is as smoo
 COHERENCE_VN_MAX = 0.7   # ... and the von Neumann ratio is clearly below 1
 
 # %% ../nbs/03_miner.ipynb #ce9ef961
-def _usual_steps(df):
+def usual_steps(df):
     "Rows of each tap's steps whose numel is the tap's most common one."
     n = df[df.stat == 'numel'][KEYS + ['step', 'value']]
     counts = n.groupby(KEYS + ['value'], observed=True).size().rename('k').reset_index()
@@ -206,8 +210,8 @@ def _usual_steps(df):
     ok = n.merge(mode[KEYS + ['value']].rename(columns={'value': 'usual'}), on=KEYS)
     return ok.loc[ok.value == ok.usual, KEYS + ['step']]
 
-def _step_matrix(df, stat, usual):
-    "(tap, idx) × step values of `stat` over each tap's `usual` steps (from `_usual_steps`), rows sorted by tap."
+def step_matrix(df, stat, usual):
+    "(tap, idx) × step values of `stat` over each tap's `usual` steps (from `usual_steps`), rows sorted by tap."
     c = df[df.stat == stat].merge(usual, on=KEYS + ['step'])
     c['t'] = c.groupby(KEYS + ['idx'], observed=True).cumcount()
     w = c.pivot_table(index=KEYS + ['idx'], columns='t', values='value', aggfunc='first', observed=True).sort_index()
@@ -230,15 +234,15 @@ def cross_step(df:pd.DataFrame, # tidy sketches
               )->pd.DataFrame:
     "Per tap: steps compared, `stationary`, `drift` (relative change per step), von Neumann `vn` and its permutation `vn_p`."
     df = df[df.stat.isin(CROSS_STATS + ('numel',))]
-    df = df.assign(**{k: df[k].astype(str) for k in KEYS})   # one key dtype, so merged indexes align
-    usual = _usual_steps(df)
+    df = as_strings(df, KEYS)   # one key dtype, so merged indexes align
+    usual = usual_steps(df)
     x = df[df.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
     rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max'])
     rel = relative_range(rng_)
-    return _cross_table((rel <= STATIONARY_RTOL).groupby(level=KEYS, observed=True).all(),
-                        usual.groupby(KEYS, observed=True).size(), _step_matrix(df, 'chan_absmax', usual), seed)
+    return cross_table((rel <= STATIONARY_RTOL).groupby(level=KEYS, observed=True).all(),
+                        usual.groupby(KEYS, observed=True).size(), step_matrix(df, 'chan_absmax', usual), seed)
 
-def _cross_table(stationary, steps, w, seed=0):
+def cross_table(stationary, steps, w, seed=0):
     "`cross_step`'s table from per-tap `stationary` flags, usual-step counts and the (tap, idx) × step chan_absmax matrix `w` (shared with the DuckDB engine)."
     out = pd.DataFrame({'stationary': stationary})
     out.insert(0, 'steps', steps)   # taps with matmul-style sketches only
@@ -411,12 +415,12 @@ def step_table(df:pd.DataFrame, # tidy sketches
     "Per (tap, step): `nan_count`, `inf_count`, `numel`, `min`, `max` — what the bad-data rules read (shared by the engines)."
     s = df[df.stat.isin(STEP_STATS)]
     w = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
-    return _step_frame(w)
+    return step_frame(w)
 
-def _step_frame(w):
+def step_frame(w):
     w = w.reindex(columns=list(STEP_STATS)).astype(float)
     w[['nan_count', 'inf_count']] = w[['nan_count', 'inf_count']].fillna(0)   # softmax taps count no Inf
-    w.index = pd.MultiIndex.from_frame(w.index.to_frame(index=False).astype({k: str for k in KEYS}))
+    w.index = pd.MultiIndex.from_frame(as_strings(w.index.to_frame(index=False), KEYS))
     return w
 
 def _bad(st): return st[(st.nan_count + st.inf_count) > NONFINITE_MAX]
@@ -427,7 +431,7 @@ def drop_nonfinite_steps(df:pd.DataFrame, # tidy sketches
     "`df` without the rows of the (tap, step)s holding NaN/Inf: their other statistics describe NaN-zeroed data."
     bad = _bad(st)
     if bad.empty: return df
-    keys = pd.MultiIndex.from_frame(df[KEYS + ['step']].astype({k: str for k in KEYS}))
+    keys = pd.MultiIndex.from_frame(as_strings(df[KEYS + ['step']], KEYS))
     return df[~keys.isin(bad.index)]
 
 # %% ../nbs/03_miner.ipynb #228470d9
@@ -471,7 +475,7 @@ def rule_constant(st):
 
 def _veto(out):
     "Drop the claims the bad-data findings refuse: all others on a `constant` tap, cross-step ones on a `nonfinite` tap."
-    tap = out[KEYS].astype(str).agg('/'.join, axis=1)
+    tap = out[KEYS].agg('/'.join, axis=1)
     const, nonf = set(tap[out.exploit == 'constant']), set(tap[out.exploit == 'nonfinite'])
     cross = out.exploit.eq('stationary') | (out.exploit.eq('temporal-coherence') & out.stat.eq('chan_absmax'))
     drop = (tap.isin(const) & ~out.exploit.isin(['constant', 'nonfinite'])) | (tap.isin(nonf) & cross)
@@ -480,7 +484,7 @@ def _veto(out):
 # %% ../nbs/03_miner.ipynb #571c9b12
 def _drop_explained(out):
     "Drop `deep-dump` pointers on taps whose dispersion `spiky` or `channel-outliers` already explains."
-    tap = out[KEYS].astype(str).agg('/'.join, axis=1)
+    tap = out[KEYS].agg('/'.join, axis=1)
     explained = set(tap[out.exploit.isin(['spiky', 'channel-outliers'])])
     return out[~((out.exploit == 'deep-dump') & tap.isin(explained))]
 
@@ -490,30 +494,18 @@ CHANNEL_RULES = (rule_dead_channels, rule_outlier_channels,  # rules reading the
                  rule_attention_sink, rule_kv_eviction, rule_windowed, rule_experts)
 CROSS_RULES = (rule_stationary, rule_drift_coherence)
 
-def mine(df:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or the path of a sketches file or Parquet dataset
-         engine:str='pandas', # 'pandas' (in memory) or 'duckdb' (aggregations out of core: `scale.mine_duckdb`)
+def mine(sketches:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or the path of a sketches file or Parquet dataset
          probe:pd.DataFrame=None, # optional ranks of dumped taps (`probe.rank_table`): confirms or retracts `deep-dump` pointers
         )->pd.DataFrame:
-    "Findings (`FINDINGS` columns), one row per exploit per tap (per channel for channel findings)."
-    if engine not in ('pandas', 'duckdb'): raise ValueError(f"engine must be 'pandas' or 'duckdb', not {engine!r}")
-    if engine == 'duckdb':
-        from opscope.scale import mine_duckdb
-        out = mine_duckdb(df)
-        return out if probe is None else confirm_low_rank(out, probe)
-    out = _mine_pandas(df)
-    return out if probe is None else confirm_low_rank(out, probe, _taps(df))
-
-def _taps(df): return df[KEYS].drop_duplicates().astype(str) if isinstance(df, pd.DataFrame) else None
+    "Findings (`FINDINGS` columns), one row per exploit per tap (per channel for channel findings); out of core: `scale.mine_duckdb`, `scale.mine_dask`."
+    sketches = read_sketches(sketches) if not isinstance(sketches, pd.DataFrame) else sketches
+    require_columns(sketches.columns, MINE_COLS, 'cannot mine')
+    sketches = as_strings(sketches)        # the dtype policy; a missing name is the empty name (pandas drops missing group keys)
+    out = _mine_pandas(sketches)
+    return out if probe is None else confirm_low_rank(out, probe, sketches[KEYS].drop_duplicates())
 
 def _mine_pandas(df):
-    if not isinstance(df, pd.DataFrame):
-        from opscope.recorder import read_sketches
-        df = read_sketches(df)
-    missing = [c for c in ['run_id', 'dist', 'site', 'role', 'step', 'stat', 'idx', 'value'] if c not in df.columns]
-    if missing: raise ValueError(f"cannot mine: the sketches lack columns {', '.join(missing)}")
     if df.empty: return pd.DataFrame(columns=FINDINGS)
-    for k in KEYS:                         # pandas drops missing group keys: a missing name is the empty name
-        if df[k].isna().any(): df = df.assign(**{k: df[k].astype(object).where(df[k].notna(), '')})
     _check_ranks(df)
     st = step_table(df)
     df = drop_nonfinite_steps(df, st)             # NaN/Inf steps: only `nonfinite` reads them
@@ -523,19 +515,18 @@ def _mine_pandas(df):
     if len(base):
         f, cs = tap_features(base), cross_step(base)
         parts = [r(f) for r in TAP_RULES] + parts + [r(cs) for r in CROSS_RULES]
-    return _drop_masked(_collect(parts, cs, st), df)
+    return drop_masked(collect_findings(parts, cs, st), df)
 
 MASK_VETO = ('sparse-gemm', 'dead-channels', 'channel-outliers')   # what masked probabilities would fake
 
 def _prob_operands(df):
     "(run_id, site) of matmul taps whose lhs is an attention tap's probabilities: same module path and numel at a step."
     n = df[(df.stat == 'numel') & df.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'value']]
-    n = n.assign(run_id=n.run_id.astype(str), site=n.site.astype(str), role=n.role.astype(str))
     n = n.assign(path=n.site.str.rsplit('.', n=1).str[0])
     j = n[n.role == 'lhs'].merge(n[n.role == 'attn'][['run_id', 'path', 'step', 'value']], on=['run_id', 'path', 'step', 'value'])
     return set(zip(j.run_id, j.site))
 
-def _drop_masked(out, df):
+def drop_masked(out, df):
     "Drop sparsity / dead-channel / outlier findings on attention probabilities: their zeros are the mask's (padding, causal)."
     probs = _prob_operands(df)
     if not probs or out.empty: return out
@@ -550,16 +541,16 @@ def _check_ranks(df):
     n = df.groupby(['run_id', 'step'], observed=True)['rank'].nunique()
     if (n > 1).any():
         run, step = n[n > 1].index[0]
-        raise ValueError(f"run {run!r} step {step} was recorded by more than one rank; shards must record global "
+        raise InputError(f"run {run!r} step {step} was recorded by more than one rank; shards must record global "
                          "step indices (scale.record_shard does) so that the ranks' steps do not collide")
 
-def _collect(parts, cs, st=None):
+def collect_findings(parts, cs, st=None):
     "The findings table from the rules' outputs (every engine): bad-data findings added (`st`: `step_table`), vetoed and explained claims dropped, sorted."
     if st is not None: parts = list(parts) + [rule_nonfinite(st), rule_constant(st)]
     parts = [p for p in parts if len(p)]
     if not parts: return pd.DataFrame(columns=FINDINGS)
     out = pd.concat(parts, ignore_index=True)
-    for k in ['run_id', 'dist', 'site', 'role']: out[k] = out[k].astype(str)
+    out = as_strings(out, KEYS)          # every engine's findings: one key dtype
     out = _sorted(_drop_explained(_veto(out)))
     out.attrs['cross_step'] = cs      # per-tap drift, kept for reports (not a finding)
     return out
@@ -575,7 +566,7 @@ LOWRANK_ERANK_SHARE = 0.25  # confirmed low rank: effective rank at most this sh
 LOWRANK_MIN_SAVING = 0.25   # ... and factoring at the rank holding 99 % energy saves this share of MACs (probe.MIN_FACTOR_SAVING)
 RANK_COLUMNS = ['site', 'role', 'rows', 'cols', 'erank', 'rank99', 'saving']   # `probe.rank_table`; `run_id` optional
 
-def _tapkey(d): return d[KEYS].astype(str).agg('/'.join, axis=1) if len(d) else pd.Series(dtype=str)
+def _tapkey(d): return d[KEYS].agg('/'.join, axis=1) if len(d) else pd.Series(dtype=str)
 
 def confirm_low_rank(findings:pd.DataFrame, # from `mine`
                      ranks:pd.DataFrame, # `RANK_COLUMNS` per dumped tap (+ `run_id` to tell runs apart), e.g. `probe.rank_table`
@@ -583,10 +574,10 @@ def confirm_low_rank(findings:pd.DataFrame, # from `mine`
                     )->pd.DataFrame:
     "Each probed tap's `deep-dump` pointer replaced by a confirmed `low-rank` finding or retracted (listed in `attrs['retracted']`)."
     missing = [c for c in RANK_COLUMNS if c not in ranks]
-    if missing: raise ValueError(f"probe ranks lack columns {', '.join(missing)} (expected {', '.join(RANK_COLUMNS)}; see probe.rank_table)")
-    taps = (findings[KEYS] if taps is None else taps).drop_duplicates().astype(str)
+    if missing: raise InputError(f"probe ranks lack columns {', '.join(missing)} (expected {', '.join(RANK_COLUMNS)}; see probe.rank_table)")
+    taps = as_strings((findings[KEYS] if taps is None else taps).drop_duplicates(), KEYS)
     on = ['run_id', 'site', 'role'] if 'run_id' in ranks else ['site', 'role']
-    r = taps.merge(ranks.astype({c: str for c in on}), on=on)
+    r = taps.merge(as_strings(ranks, on), on=on)
     bad = set(_tapkey(findings[findings.exploit.isin(['constant', 'nonfinite'])]))   # no value claim on bad data
     r = r[~_tapkey(r).isin(bad)] if len(r) else r
     dims = np.minimum(r.rows, r.cols)
@@ -602,25 +593,3 @@ def confirm_low_rank(findings:pd.DataFrame, # from `mine`
     out.attrs = dict(findings.attrs)
     out.attrs['retracted'] = r[~ok & _tapkey(r).isin(set(fk[pointed]))].assign(dims=dims[~ok]).reset_index(drop=True)
     return out
-
-# %% ../nbs/03_miner.ipynb #2653c12d
-def planted_check(findings:pd.DataFrame, sketches:pd.DataFrame, structure_seed:int=0)->pd.DataFrame:
-    "Per sweep run: is the structure planted in its `lhs` found, and only that? (for tests and the docs; `lowrank` may be pointed to or confirmed)"
-    from opscope.zoo import outlier_channels
-    rows = []
-    for run, g in sketches[sketches.role == 'lhs'].groupby('run_id', observed=True):
-        d, K = str(g.dist.iloc[0]), int(g.K.iloc[0])
-        f = findings[(findings.run_id == run) & (findings.role == 'lhs')]
-        ex = set(f.exploit)
-        if d == 'lowrank' and 'low-rank' in ex: ex = ex - {'low-rank'} | {'deep-dump'}   # the pointer, confirmed by a probe
-        sk = f[f.exploit == 'sparse-gemm'].value
-        want = {'gaussian': set(), 'uniform': set(), 'relu': {'sparse-gemm'}, 'sparse90': {'sparse-gemm'},
-                'outlier': {'channel-outliers'}, 'heavytail': {'spiky'}, 'lowrank': {'deep-dump'}}[d]
-        extra = ex - want - {'int8', 'int4'} - ({'spiky'} if d == 'outlier' else set())
-        ok = want <= ex and not extra
-        if d == 'outlier':
-            ok &= sorted(f[f.exploit == 'channel-outliers'].idx) == outlier_channels(K, structure_seed)
-        if d in ('relu', 'sparse90'):
-            ok &= abs(1 - sk.iloc[0] - {'relu': .5, 'sparse90': .9}[d]) < 0.03
-        rows.append(dict(run_id=run, dist=d, found=' '.join(sorted(ex)), ok=bool(ok)))
-    return pd.DataFrame(rows)

@@ -11,6 +11,7 @@ import torch
 from fastcore.basics import patch
 from .inject import inject_matmul_stats, compile_injected
 from .recorder import SCHEMA, decode_stats
+from .tables import InputError
 
 # %% auto #0
 __all__ = ['splitmix64', 'Reservoir', 'TDigest', 'HyperLogLog', 'OnlineRecorder']
@@ -60,7 +61,7 @@ class Reservoir:
                  seed:int=0, # the sample is a pure function of seed and stream
                  block:int=256, # accepts generated per numpy block (the pending queue's bound)
                 ):
-        if k < 1 or block < 1: raise ValueError(f"Reservoir needs k >= 1 and block >= 1, got k={k}, block={block}")
+        if k < 1 or block < 1: raise InputError(f"Reservoir needs k >= 1 and block >= 1, got k={k}, block={block}")
         self.k, self.seed, self.block = int(k), int(seed), int(block)
         self.items, self.n = np.zeros(0), 0
         self._blocks, self._last = 0, self.k - 1              # blocks generated; stream position of the last accept
@@ -111,7 +112,7 @@ def update(self:Reservoir, x):
 @patch
 def merge(self:Reservoir, other:Reservoir)->Reservoir:
     "A uniform sample of both streams (a new reservoir; neither input changes)."
-    if self.k != other.k: raise ValueError(f"cannot merge reservoirs of different k ({self.k} and {other.k})")
+    if self.k != other.k: raise InputError(f"cannot merge reservoirs of different k ({self.k} and {other.k})")
     n = self.n + other.n
     seed = int(splitmix64(np.uint64(self.seed) ^ splitmix64(other.seed + n)) >> np.uint64(1))
     rng = np.random.default_rng(seed)
@@ -151,7 +152,7 @@ class TDigest:
     def __init__(self, compression:float=200., # δ: more centroids, smaller error
                  chunk:int=1 << 16, # values sorted at a time during an update (transient memory; cache-sized sorts are fastest)
                 ):
-        if compression < 2 or chunk < 1: raise ValueError(f"TDigest needs compression >= 2 and chunk >= 1, got {compression}, {chunk}")
+        if compression < 2 or chunk < 1: raise InputError(f"TDigest needs compression >= 2 and chunk >= 1, got {compression}, {chunk}")
         self.compression, self.chunk = float(compression), int(chunk)
         self.means, self.weights = np.zeros(0), np.zeros(0)
         self.min, self.max, self.nonfinite = math.inf, -math.inf, 0
@@ -184,7 +185,7 @@ def update(self:TDigest, x):
 
 # %% ../nbs/08_online.ipynb #44078044
 def _knots(d:TDigest):
-    if not len(d.weights): raise ValueError("empty TDigest: update it with some finite values first")
+    if not len(d.weights): raise InputError("empty TDigest: update it with some finite values first")
     w = d.weights
     return np.concatenate([[0.], np.cumsum(w) - w / 2, [w.sum()]]), np.concatenate([[d.min], d.means, [d.max]])
 
@@ -193,7 +194,7 @@ def quantile(self:TDigest, q)->np.ndarray:
     "Values at quantiles `q` (scalar or array in [0, 1])."
     r, v = _knots(self)
     q = np.asarray(q, dtype=np.float64)
-    if ((q < 0) | (q > 1)).any(): raise ValueError(f"quantiles must lie in [0, 1], got {q[(q < 0) | (q > 1)][:3]}")
+    if ((q < 0) | (q > 1)).any(): raise InputError(f"quantiles must lie in [0, 1], got {q[(q < 0) | (q > 1)][:3]}")
     return np.interp(q * r[-1], r, v)
 
 @patch
@@ -214,7 +215,7 @@ def _rank_error(sorted_data, values, q):
 def merge(self:TDigest, other:TDigest)->TDigest:
     "A digest of both streams (new; neither input changes)."
     if self.compression != other.compression:
-        raise ValueError(f"cannot merge t-digests of different compression ({self.compression:g} and {other.compression:g})")
+        raise InputError(f"cannot merge t-digests of different compression ({self.compression:g} and {other.compression:g})")
     out = TDigest(self.compression, self.chunk)
     m, w = np.concatenate([self.means, other.means]), np.concatenate([self.weights, other.weights])
     if len(m):
@@ -230,7 +231,7 @@ class HyperLogLog:
     def __init__(self, p:int=12, # log2 of the register count, 4..18
                  seed:int=0, # salts the hash; sketches merge only with the same seed
                 ):
-        if not 4 <= p <= 18: raise ValueError(f"HyperLogLog needs 4 <= p <= 18, got p={p}")
+        if not 4 <= p <= 18: raise InputError(f"HyperLogLog needs 4 <= p <= 18, got p={p}")
         self.p, self.seed = int(p), int(seed)
         self.registers = np.zeros(1 << self.p, np.uint8)
         self.hip, self.hip_valid = 0.0, True   # HIP accumulator; valid while the sketch saw one stream, unmerged
@@ -314,13 +315,13 @@ def estimate(self:HyperLogLog, method:str='auto')->float:
     m, q = self.m, 64 - self.p
     if method == 'auto': method = 'hip' if self.hip_valid else 'ertl'
     if method == 'hip':
-        if not self.hip_valid: raise ValueError("the HIP estimate is lost once sketches are merged; use 'ertl'")
+        if not self.hip_valid: raise InputError("the HIP estimate is lost once sketches are merged; use 'ertl'")
         return float(self.hip)
     if method == 'classic':
         raw = _alpha(m) * m * m / np.ldexp(1.0, -self.registers.astype(np.int64)).sum()
         zeros = int((self.registers == 0).sum())
         return float(m * math.log(m / zeros)) if raw <= 2.5 * m and zeros else float(raw)
-    if method != 'ertl': raise ValueError(f"method must be 'auto', 'hip', 'ertl' or 'classic', not {method!r}")
+    if method != 'ertl': raise InputError(f"method must be 'auto', 'hip', 'ertl' or 'classic', not {method!r}")
     c = np.bincount(self.registers, minlength=q + 2).astype(np.float64)
     z = m * _tau(1 - c[q + 1] / m)
     for k in range(q, 0, -1): z = 0.5 * (z + c[k])
@@ -331,7 +332,7 @@ def estimate(self:HyperLogLog, method:str='auto')->float:
 def merge(self:HyperLogLog, other:HyperLogLog)->HyperLogLog:
     "The sketch of the union of both streams (register-wise max; new, neither input changes)."
     if (self.p, self.seed) != (other.p, other.seed):
-        raise ValueError(f"cannot merge HyperLogLogs with different (p, seed): {(self.p, self.seed)} and {(other.p, other.seed)}")
+        raise InputError(f"cannot merge HyperLogLogs with different (p, seed): {(self.p, self.seed)} and {(other.p, other.seed)}")
     out = HyperLogLog(self.p, self.seed)
     out.registers = np.maximum(self.registers, other.registers)
     out.hip_valid = False    # HIP counted each stream's register changes; the union's history is unknown
@@ -357,9 +358,9 @@ def from_arrays(cls:Reservoir, d:dict)->Reservoir:
 
 def _check_fields(kind, d, fields, meta_len):
     missing = [f for f in fields if f not in d]
-    if missing: raise ValueError(f"{kind}.from_arrays: missing field(s) {missing}; expected {list(fields)}")
+    if missing: raise InputError(f"{kind}.from_arrays: missing field(s) {missing}; expected {list(fields)}")
     if np.asarray(d['meta']).shape != (meta_len,):
-        raise ValueError(f"{kind}.from_arrays: field 'meta' must have shape ({meta_len},), got {np.asarray(d['meta']).shape}")
+        raise InputError(f"{kind}.from_arrays: field 'meta' must have shape ({meta_len},), got {np.asarray(d['meta']).shape}")
 
 # %% ../nbs/08_online.ipynb #c0a3bad1
 @patch
@@ -375,7 +376,7 @@ def from_arrays(cls:TDigest, d:dict)->TDigest:
     comp, chunk, mn, mx, nf = (float(v) for v in d['meta'])
     t = cls(comp, int(chunk))
     t.means, t.weights = np.asarray(d['means'], np.float64).copy(), np.asarray(d['weights'], np.float64).copy()
-    if t.means.shape != t.weights.shape: raise ValueError(f"TDigest.from_arrays: means {t.means.shape} and weights {t.weights.shape} differ in shape")
+    if t.means.shape != t.weights.shape: raise InputError(f"TDigest.from_arrays: means {t.means.shape} and weights {t.weights.shape} differ in shape")
     t.min, t.max, t.nonfinite = mn, mx, int(nf)
     return t
 
@@ -391,7 +392,7 @@ def from_arrays(cls:HyperLogLog, d:dict)->HyperLogLog:
     _check_fields('HyperLogLog', d, ('registers', 'meta', 'hip'), meta_len=2)
     h = cls(int(d['meta'][0]), int(d['meta'][1]))
     if np.asarray(d['registers']).shape != (h.m,):
-        raise ValueError(f"HyperLogLog.from_arrays: 'registers' must have shape ({h.m},), got {np.asarray(d['registers']).shape}")
+        raise InputError(f"HyperLogLog.from_arrays: 'registers' must have shape ({h.m},), got {np.asarray(d['registers']).shape}")
     h.registers = np.asarray(d['registers'], np.uint8).copy()
     h.hip, h.hip_valid = float(d['hip'][0]), bool(d['hip'][1])
     return h
@@ -414,8 +415,8 @@ class OnlineRecorder:
                  queue:int=8, # samples that may wait for the worker; when all are taken a sample is dropped and counted
                  compile:bool=False, # run both graphs under `torch.compile`
                 ):
-        if every < 1: raise ValueError(f"every must be >= 1, got {every}")
-        if queue < 1: raise ValueError(f"queue must be >= 1, got {queue}")
+        if every < 1: raise InputError(f"every must be >= 1, got {every}")
+        if queue < 1: raise InputError(f"queue must be >= 1, got {queue}")
         if injected is None: injected = inject_matmul_stats(gm)
         if not hasattr(injected, 'manifest'): raise TypeError("injected must come from opscope.inject.inject_matmul_stats (it has no .manifest)")
         self.gm, self.injected, self.every, self.seed = gm, injected, int(every), int(seed)
@@ -448,7 +449,7 @@ def _layout(rec:OnlineRecorder, stats:dict):
     scalars = [k for k, t in stats.items() if t.dim() == 0]
     vectors = [k for k, t in stats.items() if t.dim() > 0 and k.rsplit('/', 2)[2] in rec.vectors and k.rsplit('/', 2)[1] in rec.roles
                and not bool(man.loc[tuple(k.rsplit('/', 2)[:2]), 'static'])]
-    if not vectors: raise ValueError(f"no tap matches vectors={rec.vectors} and roles={rec.roles} (non-weight taps only); "
+    if not vectors: raise InputError(f"no tap matches vectors={rec.vectors} and roles={rec.roles} (non-weight taps only); "
                                      f"stats look like {next(iter(stats))!r}")
     df = decode_stats(stats, run_id=rec.run_id, step=0, backend=rec.backend, dist=rec.dist)
     starts = np.concatenate([[0], np.cumsum([stats[k].numel() for k in stats])[:-1]])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from . import miner as _m
+from .tables import InputError
 
 # %% auto #0
 __all__ = ['G', 'INFER_ROLES', 'SCALARS', 'finite_steps', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios',
@@ -72,7 +73,7 @@ def head_keys(d:pd.DataFrame)->pd.DataFrame:
     return hm[_m.KEYS].assign(h=(hm.idx // hm.Tk).astype('int64'), key=(hm.idx % hm.Tk).astype('int64'), value=hm.value)
 
 def usual_rows(d:pd.DataFrame, usual:pd.DataFrame, stats)->pd.DataFrame:
-    "The rows of `stats` in each tap's usual steps (`usual`: KEYS + step, from `miner._usual_steps`)."
+    "The rows of `stats` in each tap's usual steps (`usual`: KEYS + step, from `miner.usual_steps`)."
     return d[d.stat.isin(list(stats))].merge(usual, on=G)
 
 def read_parts(files, # part files of one hive-partitioned dataset, holding whole steps
@@ -104,15 +105,15 @@ def findings_from_tables(features, # `miner.tap_features`' table (None: no matmu
                          infer, # `infer_table`'s rows
                          cross, # (stationary, usual-step counts, (tap, idx) × step chan_absmax matrix), or None
                          steps=None, # `miner.step_table` of the sketches (NaN/Inf and constant findings), or None
-                         probs=None, # `numel` rows of `attn` and `lhs` taps (`miner._drop_masked`: masked probabilities are not structure), or None
+                         probs=None, # `numel` rows of `attn` and `lhs` taps (`miner.drop_masked`: masked probabilities are not structure), or None
                          seed:int=0, # seeds `miner.cross_step`'s shuffles
                         )->pd.DataFrame:
     "`miner.mine`'s findings from the pooled tables, through the miner's own rule functions."
-    parts = [_m.rule_dead_channels(dead.assign(stat='chan_density')), _m._outlier_rows(share)]
+    parts = [_m.rule_dead_channels(dead.assign(stat='chan_density')), _m.outlier_rows(share)]
     parts += [r(infer) for r in _m.CHANNEL_RULES if r not in (_m.rule_dead_channels, _m.rule_outlier_channels)]
     cs = None
     if features is not None:
-        cs = _m._cross_table(*cross, seed)
+        cs = _m.cross_table(*cross, seed)
         parts = [r(features) for r in _m.TAP_RULES] + parts + [r(cs) for r in _m.CROSS_RULES]
-    out = _m._collect(parts, cs, steps)
-    return out if probs is None else _m._drop_masked(out, probs)
+    out = _m.collect_findings(parts, cs, steps)
+    return out if probs is None else _m.drop_masked(out, probs)

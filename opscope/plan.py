@@ -12,8 +12,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from .miner import crest_nz, crest_at_sqnr
-from .recorder import InputError
+from .inject import matmul_sites
+from .miner import mine, crest_nz, crest_at_sqnr
+from .probe import rank_at_energy, dump_sites
+from .shapes import op_costs, roofline, measure_machine
+from .tables import InputError, MissingError
 
 # %% auto #0
 __all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'DENSITY_MARGIN', 'GUARD_GRID', 'CREST_MARGIN',
@@ -35,16 +38,16 @@ _CLAUSE = re.compile(r'^\s*(lhs|rhs|out)\.([a-z_]+)(\[channels\])?\s*(<=|>=|==|<
 def parse_guard(text:str, # e.g. 'lhs.density <= 0.25 and lhs.nan_count <= 0'
                )->list:
     "The `Clause`s of a guard expression; a clear `ValueError` naming the bad clause otherwise."
-    if not isinstance(text, str) or not text.strip(): raise ValueError("empty guard: nothing to check")
+    if not isinstance(text, str) or not text.strip(): raise InputError("empty guard: nothing to check")
     out = []
     for i, part in enumerate(re.split(r'\s+and\s+', text.strip())):
         m = _CLAUSE.match(part)
-        if m is None: raise ValueError(f"guard {text!r}: clause {i + 1} {part!r} is not `role.stat op number` "
+        if m is None: raise InputError(f"guard {text!r}: clause {i + 1} {part!r} is not `role.stat op number` "
                                        f"(roles lhs/rhs/out, ops {' '.join(GUARD_OPS)})")
         role, stat, ch, op, num = m.groups()
-        if stat not in GUARD_STATS: raise ValueError(f"guard {text!r}: unknown stat {stat!r}; use one of {', '.join(GUARD_STATS)}")
+        if stat not in GUARD_STATS: raise InputError(f"guard {text!r}: unknown stat {stat!r}; use one of {', '.join(GUARD_STATS)}")
         if (stat in CHANNEL_STATS) != bool(ch):
-            raise ValueError(f"guard {text!r}: {stat} " + ("needs [channels]" if stat in CHANNEL_STATS else "takes no [channels]"))
+            raise InputError(f"guard {text!r}: {stat} " + ("needs [channels]" if stat in CHANNEL_STATS else "takes no [channels]"))
         out.append(Clause(role, stat, bool(ch), op, float(num)))
     return out
 
@@ -79,7 +82,7 @@ def sketch_values(sk:pd.DataFrame, # tidy sketches of one run
             v = crest_nz(w.absmax, w.rms.where(w.rms > 0), w.density) if c.stat == 'crest' else w[c.stat]
         out[(c.role, c.stat)] = v
     if not out or all(len(v) == 0 for v in out.values()):
-        raise KeyError(f"site {site!r}: the sketches hold no {', '.join(sorted({c.stat for c in clauses}))} for it")
+        raise MissingError(f"site {site!r}: the sketches hold no {', '.join(sorted({c.stat for c in clauses}))} for it")
     return pd.DataFrame(out)
 
 def live_values(x:torch.Tensor, # the live operand
@@ -130,17 +133,22 @@ GUARD_STAT = {'dead-channels': 'chan_absmax', 'sparse-gemm': 'density', 'int8': 
 
 # %% ../nbs/07_plan.ipynb #9a8cd0f7
 import warnings
-warnings.filterwarnings('ignore', message='Sparse CSR tensor support is in beta')  # the CSR kernel is used on purpose
 Kernel = namedtuple('Kernel', 'fn packed_bytes exact')
 
 def _kernel_dead(w, b, keep):
     wk = w.index_select(1, keep).contiguous()
     return Kernel(lambda x: F.linear(x.index_select(1, keep), wk, b), wk.numel() * wk.element_size(), True)
 
+def _csr(x):
+    "`x` in CSR layout, without torch's beta warning (the CSR kernel is used on purpose; no global filter)."
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='Sparse CSR tensor support is in beta')
+        return x.to_sparse_csr()
+
 def _kernel_sparse(w, b, keep):
     wt = w.t().contiguous()
     bb = b if b is not None else w.new_zeros(w.shape[0])
-    return Kernel(lambda x: torch.sparse.addmm(bb, x.to_sparse_csr(), wt), wt.numel() * wt.element_size(), False)
+    return Kernel(lambda x: torch.sparse.addmm(bb, _csr(x), wt), wt.numel() * wt.element_size(), False)
 
 def _kernel_int8(w, b, keep):
     sw = (w.abs().amax(1) / 127).clamp_min(1e-30)                      # one scale per output channel
@@ -173,7 +181,7 @@ def make_kernel(exploit:str, # a key of `KERNELS`
                 arg=None, # dead-channels: the kept channels (LongTensor); low-rank: the rank
                )->Kernel:
     "The specialized kernel for `exploit` with its weight-side work done, its packed size and whether it is exact."
-    if exploit not in KERNELS: raise ValueError(f"no kernel for exploit {exploit!r}; opscope has {', '.join(KERNELS)}")
+    if exploit not in KERNELS: raise InputError(f"no kernel for exploit {exploit!r}; opscope has {', '.join(KERNELS)}")
     return KERNELS[exploit](w, b, arg)
 
 # %% ../nbs/07_plan.ipynb #8fa71882
@@ -188,7 +196,6 @@ def _rows(*specs):
 from functools import lru_cache
 @lru_cache(maxsize=256)
 def _dense_costs(M, K, N):
-    from opscope.shapes import op_costs
     lin = nn.Linear(K, N, device='meta')
     return op_costs(lin, torch.empty(M, K, device='meta'))
 
@@ -219,7 +226,6 @@ def est_speedup(exploit:str, M:int, K:int, N:int, # the site's shape
                 **kw, # density (sparse-gemm), kept (dead-channels), rank (low-rank)
                )->float:
     "Roofline time of the dense op over that of the specialized kernel, from `opscope.shapes`."
-    from opscope.shapes import roofline
     t = lambda c: roofline(c, machine['peak_flops'], machine['bandwidth']).time_s.sum()
     dense = _dense_costs(M, K, N)
     if exploit == 'prepack': dense = pd.concat([dense, _rows(('pack', 'memory', 0, 0, 0, 0, 0, 2 * 4 * K * N))])
@@ -347,7 +353,6 @@ def _plan_row(sk, run, site, exploit, frows, machine, weights, seed):
         row.update(stat='sqnr_int8_db', value=float(frows.value.iloc[0]))
         row['note'] = f'dynamic per-tensor int8 lhs × per-channel int8 weight, torch._int_mm (est. SQNR {row["value"]:.0f} dB)'
     elif exploit == 'low-rank':
-        from opscope.probe import rank_at_energy
         w = weights[site].detach().float().reshape(N, K)
         r, saving = rank_at_energy(w, 0.99)
         row.update(role='rhs', stat='rank_99', value=r); kw, arg = dict(rank=r), r
@@ -383,10 +388,8 @@ def plan(sketches_df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. fro
          seed:int=0, # seed of the drawn benchmark data
         )->pd.DataFrame:
     "One row per (site, exploit): guard, its stability, estimated and measured speedup (`PLAN_COLUMNS`)."
-    from opscope.miner import mine
-    from opscope.shapes import measure_machine
     missing = [c for c in ['run_id', 'step', 'M', 'K', 'N', 'site', 'role', 'stat', 'idx', 'value'] if c not in sketches_df.columns]
-    if missing: raise ValueError(f"cannot plan: the sketches lack columns {', '.join(missing)}")
+    if missing: raise InputError(f"cannot plan: the sketches lack columns {', '.join(missing)}")
     if 'dist' in sketches_df and sketches_df.dist.isna().any():   # a CSV reads an empty dist back as missing;
         sketches_df = sketches_df.assign(dist=sketches_df.dist.fillna(''))  # the miner's groupby would drop those rows
     f = mine(sketches_df) if findings_df is None else findings_df
@@ -467,17 +470,16 @@ def specialize(gm:fx.GraphModule, # from `inject.trace`; left untouched
                plan_df:pd.DataFrame, # rows of `plan` to apply, one per site (see `choose`)
               )->fx.GraphModule:
     "A new GraphModule whose planned sites check their guard on the live lhs and dispatch; `.guarded` maps site → `GuardedLinear`. Every row is checked against the graph and its weights first."
-    from opscope.inject import matmul_sites
     rows = plan_df[plan_df.guard.fillna('') != ''].astype({'site': str})   # a site named `0` read back by pandas is 0
     dup = rows.site[rows.site.duplicated()]
-    if len(dup): raise ValueError(f"site {dup.iloc[0]!r} has several plan rows; keep one per site (e.g. with choose)")
+    if len(dup): raise InputError(f"site {dup.iloc[0]!r} has several plan rows; keep one per site (e.g. with choose)")
     graph = copy.deepcopy(gm.graph)
     new = fx.GraphModule(gm, graph, class_name='Specialized' + type(gm).__name__)
     sites = {s.name: s for s in matmul_sites(gm)}
     by_name = {n.name: n for n in graph.nodes}
     new.guarded = {}
     for r in rows.itertuples():
-        if r.site not in sites: raise KeyError(f"plan site {r.site!r} is not a matmul site of this graph; its sites are: {', '.join(sites)}")
+        if r.site not in sites: raise MissingError(f"plan site {r.site!r} is not a matmul site of this graph; its sites are: {', '.join(sites)}")
         s = sites[r.site]
         w, b = _linear_params(gm, s)
         ch, arg = _check_row(r, w), None
@@ -509,7 +511,6 @@ def check_specialized(gm:fx.GraphModule, sgm:fx.GraphModule, # the original and 
                       batches, # iterable of input tensors (one step each)
                      )->pd.DataFrame:
     "Per (step, site): path taken, output error vs the original, and whether it is within tolerance."
-    from opscope.probe import dump_sites
     rows = []
     with torch.no_grad():
         for step, xb in enumerate(batches):

@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from . import zoo
+from .inject import trace, matmul_sites
+from .tables import InputError, MissingError, atomic_write
 
 # %% auto #0
 __all__ = ['MAX_SVD_ROWS', 'MAX_UNIQUE_NUMEL', 'Factoring', 'TWO_FOUR_KEEP', 'TwoFour', 'QUANT_OK_DB', 'Cardinality',
@@ -26,13 +29,7 @@ def save_tensors(path, # the `.safetensors` file to write
     path = Path(path)
     bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
     if bad: raise TypeError(f"save_tensors: {bad[0]!r} is a {type(tensors[bad[0]]).__name__}, not a tensor")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f'.{path.name}.tmp')
-    try:
-        save_file({k: v.detach().to('cpu').contiguous() for k, v in tensors.items()}, str(tmp))
-        tmp.replace(path)
-    finally:
-        if tmp.exists(): tmp.unlink()
+    with atomic_write(path) as tmp: save_file({k: v.detach().to('cpu').contiguous() for k, v in tensors.items()}, str(tmp))
     return path
 
 # %% ../nbs/05_probe.ipynb #e6ff95c9
@@ -60,9 +57,9 @@ def _safetensors_header(path:Path)->dict:
     except (UnicodeDecodeError, ValueError): meta = None
     entries = {k: v for k, v in meta.items() if k != '__metadata__'} if isinstance(meta, dict) else None
     if entries is None or not all(_is_entry(v) for v in entries.values()):
-        raise ValueError(f"{path}: {_why_not(head)}; opscope reads only safetensors and never unpickles")
+        raise InputError(f"{path}: {_why_not(head)}; opscope reads only safetensors and never unpickles")
     end = max((v['data_offsets'][1] for v in entries.values()), default=0)
-    if 8 + n + end > size: raise ValueError(f"{path}: truncated safetensors file ({size} bytes, the header describes {8 + n + end})")
+    if 8 + n + end > size: raise InputError(f"{path}: truncated safetensors file ({size} bytes, the header describes {8 + n + end})")
     return meta
 
 # %% ../nbs/05_probe.ipynb #b4a94a19
@@ -74,7 +71,7 @@ def load_tensors(path, # a `.safetensors` file written by `save_tensors` (or any
     path = Path(path)
     _safetensors_header(path)
     try: return load_file(str(path), device=str(device))
-    except Exception as e: raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
+    except Exception as e: raise InputError(f"{path}: unreadable safetensors file ({e})") from None
 
 # %% ../nbs/05_probe.ipynb #45425e3a
 class _Keep(torch.fx.Interpreter):
@@ -89,7 +86,6 @@ class _Keep(torch.fx.Interpreter):
 
 def _site_nodes(model, inputs):
     "The traced graph module and its matmul sites as {name: {role: fx node or parameter tensor}}."
-    from opscope.inject import trace, matmul_sites
     gm = trace(model, *inputs)
     val = lambda v: gm.get_parameter(v) if isinstance(v, str) else v  # an nn.Linear weight comes as its path
     return gm, {s.name: {'lhs': val(s.lhs), 'rhs': val(s.rhs), 'out': s.out} for s in matmul_sites(gm)}
@@ -106,7 +102,7 @@ def dump_sites(model, # a model opscope.inject can trace
     gm, found = _site_nodes(model, inputs)
     sites = list(found) if sites is None else [sites] if isinstance(sites, str) else list(sites)
     missing = [s for s in sites if s not in found]
-    if missing: raise KeyError(f"no matmul site {missing[0]!r}; the sites are: {', '.join(found)}")
+    if missing: raise MissingError(f"no matmul site {missing[0]!r}; the sites are: {', '.join(found)}")
     want = {}
     for s in sites:
         for r in roles:
@@ -128,7 +124,7 @@ MAX_UNIQUE_NUMEL = 1 << 22 # above this many elements, cardinality counts a seed
 # %% ../nbs/05_probe.ipynb #0e8b6f93
 def _as_matrix(w):
     "View `w` as rows × last-dim channels, in float32 (float64 stays)."
-    if w.ndim < 2: raise ValueError(f"need a matrix (2 or more dims), got shape {tuple(w.shape)}")
+    if w.ndim < 2: raise InputError(f"need a matrix (2 or more dims), got shape {tuple(w.shape)}")
     w = w.reshape(-1, w.shape[-1])
     return w if w.dtype == torch.float64 else w.float()
 
@@ -161,7 +157,7 @@ def rank_at_energy(w:torch.Tensor, # a matrix (more dims are flattened into rows
                    max_rows:int=MAX_SVD_ROWS, # sample rows above this
                   )->Factoring:
     "Smallest r with Σᵢ≤ᵣ σᵢ² ≥ `energy`·Σσ², and the factored matmul's MAC saving 1 − r(m+n)/(mn)."
-    if not 0 < energy <= 1: raise ValueError(f"energy must be in (0, 1], got {energy}")
+    if not 0 < energy <= 1: raise InputError(f"energy must be in (0, 1], got {energy}")
     m, n = _as_matrix(w).shape
     e = _svdvals(w, max_rows).double().pow(2)
     if e.sum() == 0: return Factoring(0, 1.)
@@ -177,7 +173,7 @@ def two_four(w:torch.Tensor, # last dimension (K) must be a multiple of 4
              threshold:float=TWO_FOUR_KEEP, # share of Σ|w| that pruning must keep to be feasible
             )->TwoFour:
     "Share of Σ|w| kept by 2:4 pruning along the last dimension (top 2 |w| of each 4), and whether ≥ `threshold`."
-    if w.shape[-1] % 4: raise ValueError(f"2:4 needs the last dimension to be a multiple of 4; shape {tuple(w.shape)}")
+    if w.shape[-1] % 4: raise InputError(f"2:4 needs the last dimension to be a multiple of 4; shape {tuple(w.shape)}")
     a = w.detach().abs().float().reshape(-1, 4)
     total = a.sum(dtype=torch.float64)
     if total == 0: return TwoFour(1., True)
@@ -193,7 +189,7 @@ def quantize(w:torch.Tensor, # the tensor to round
              dim:int=0, # the channel dimension (0: output channels of an `nn.Linear` weight)
             )->torch.Tensor:
     "`w` after symmetric round-to-nearest integer quantization and back (fake quantization)."
-    if not 2 <= bits <= 16: raise ValueError(f"bits must be in 2..16, got {bits}")
+    if not 2 <= bits <= 16: raise InputError(f"bits must be in 2..16, got {bits}")
     w = w.detach().float()
     q = 2 ** (bits - 1) - 1
     if per_channel: amax = w.abs().amax(dim=[d for d in range(w.ndim) if d != dim % w.ndim], keepdim=True)
@@ -297,22 +293,21 @@ def probe_pointers(findings:pd.DataFrame, # from `miner.mine`
                   )->pd.DataFrame:
     "Dump the taps that `findings`' `deep-dump` pointers name, from one run of `model` on `inputs`, and `rank_table` them."
     p = findings[findings.exploit == 'deep-dump']
-    if run_id is not None: p = p[p.run_id.astype(str) == str(run_id)]
+    if run_id is not None: p = p[p.run_id == str(run_id)]
     if p.empty: return rank_table({}, run_id)
     dump = dump_sites(model, inputs, sites=sorted(set(p.site)), roles=tuple(sorted(set(p.role))))
-    want = set(p.site.astype(str) + '/' + p.role.astype(str))
+    want = set(p.site + '/' + p.role)
     return rank_table({k: v for k, v in dump.items() if k in want}, run_id)
 
 def sweep_ranks(findings:pd.DataFrame, # `miner.mine` of sketches `recorder.sweep` recorded (run ids `dist-MxKxN`)
                 seed:int=0, structure_seed:int=0, # the sweep's seeds (step 0 is drawn with `seed`)
                )->pd.DataFrame:
     "`probe_pointers` for every sweep run with a `deep-dump` pointer: its step-0 batch drawn again, the pointed taps dumped and measured."
-    from opscope import zoo      # (zoo imports nothing of opscope; kept lazy like model_tensors)
     parts = []
-    for run in sorted(set(findings.loc[findings.exploit == 'deep-dump', 'run_id'].astype(str))):
+    for run in sorted(set(findings.loc[findings.exploit == 'deep-dump', 'run_id'])):
         m = re.fullmatch(r'(.+)-(\d+)x(\d+)x(\d+)', run)
         if m is None or m.group(1) not in zoo.DISTS:
-            raise ValueError(f"run {run!r} is not a sweep run (dist-MxKxN); dump its taps with probe.probe_pointers")
+            raise InputError(f"run {run!r} is not a sweep run (dist-MxKxN); dump its taps with probe.probe_pointers")
         d, (M, K, N) = m.group(1), map(int, m.groups()[1:])
         x = zoo.make_tensor(d, (M, K), seed=seed, structure_seed=structure_seed)
         parts.append(probe_pointers(findings, zoo.gemm(K, N), x, run_id=run))
@@ -325,8 +320,7 @@ def model_tensors(model:str='mnist', # one of `PROBE_MODELS`
                   batch:int=64, # images (mnist), sentences (minilm, at most 8) or sequences (transformer)
                  )->dict:
     "Weights (`w/...`) and one batch of activations (`a/...`) of a zoo model or MiniLM, as a dict of tensors."
-    from opscope import zoo
-    if model not in PROBE_MODELS: raise ValueError(f"unknown model {model!r}; choose one of {', '.join(PROBE_MODELS)}")
+    if model not in PROBE_MODELS: raise InputError(f"unknown model {model!r}; choose one of {', '.join(PROBE_MODELS)}")
     if model == 'minilm':
         m, tok = zoo.load_minilm()
         enc = tok(zoo.SENTENCES[:batch], padding=True, return_tensors='pt')

@@ -12,18 +12,14 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
+from .tables import (InputError, MissingError, SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES,
+                            atomic_write, require_columns, as_strings, dataset_files)   # the table contract, re-exported here
+from .zoo import DISTS, gemm, make_tensor
 from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch
 
 # %% auto #0
-__all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'COMMIT_SUFFIX', 'SWEEP_SHAPES', 'decode_stats',
-           'InputError', 'Recorder', 'read_sketches', 'eager_gate', 'Recorded', 'record', 'sweep']
-
-# %% ../nbs/02_recorder.ipynb #ad2ba961
-SCHEMA = ['run_id', 'step', 'backend', 'dist', 'M', 'K', 'N', 'numel', 'site', 'role', 'stat', 'idx', 'value']
-INT_COLS = ['step', 'M', 'K', 'N', 'numel', 'idx']
-STR_COLS = ['run_id', 'backend', 'dist', 'site', 'role', 'stat']
-SCHEMA_VERSION = 2                                      # 2: stats `nan_count` / `inf_count` (were `nan` / `inf` in 1)
-RENAMED_STATS = {'nan': 'nan_count', 'inf': 'inf_count'}  # old name -> current name, applied by `read_sketches`
+__all__ = ['COMMIT_SUFFIX', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'read_sketches', 'eager_gate', 'Recorded', 'record',
+           'sweep']
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -56,7 +52,7 @@ def _tap_dims(keys, lengths, codes, n_roles):
 def decode_stats(stats:dict, # `"site/role/stat" -> tensor`, as an injected module returns it
                  run_id:str='run', step:int=0, backend:str=None, dist:str='')->pd.DataFrame:
     "Tidy rows (`SCHEMA`) for one step's `stats`, with a single device-to-host transfer."
-    if not stats: raise ValueError("no statistics to decode: the injected graph returned an empty stats dict")
+    if not stats: raise InputError("no statistics to decode: the injected graph returned an empty stats dict")
     keys, tensors = list(stats), list(stats.values())
     lengths = np.fromiter((t.numel() for t in tensors), np.int64, len(tensors))
     flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
@@ -71,18 +67,15 @@ def decode_stats(stats:dict, # `"site/role/stat" -> tensor`, as an injected modu
     per_row = lambda a: np.repeat(a, lengths)
     n = int(lengths.sum())
     const = lambda v: pd.Categorical.from_codes(np.zeros(n, np.int8), [v])
-    return pd.DataFrame({
+    return as_strings(pd.DataFrame({   # built from codes, returned as strings (`tables`' dtype policy)
         'run_id': const(str(run_id)), 'step': np.full(n, step, np.int64), 'backend': const(backend), 'dist': const(str(dist)),
         'M': per_row(M[codes[:, 0]]), 'K': per_row(K[codes[:, 0]]), 'N': per_row(N[codes[:, 0]]), 'numel': per_row(key_numel),
         'site': pd.Categorical.from_codes(per_row(codes[:, 0]), sites),
         'role': pd.Categorical.from_codes(per_row(codes[:, 1]), roles),
         'stat': pd.Categorical.from_codes(per_row(codes[:, 2]), stat_names),
-        'idx': np.arange(n, dtype=np.int64) - per_row(starts), 'value': values})
+        'idx': np.arange(n, dtype=np.int64) - per_row(starts), 'value': values}), STR_COLS)
 
 # %% ../nbs/02_recorder.ipynb #346d5634
-class InputError(ValueError):
-    "Bad input to opscope (a file, a table, an argument): the command-line tools print it as one line."
-
 COMMIT_SUFFIX = '.commit'   # `OUT.csv.commit`: one line per step committed to `OUT.csv` while it is being written
 
 class Recorder:
@@ -145,11 +138,7 @@ class Recorder:
             self.steps = sum(len(_part_files(d)) for d in self._dirs)
         if self.fmt == 'parquet' and self.parts.exists():
             self.steps = len(_part_files(self.parts))
-            tmp = self.path.with_name(f'.{self.path.name}.tmp')
-            try: _combine_parts(self.parts, tmp)
-            except BaseException:            # a full disk, a second Ctrl-C: the parts stay, and the reader finds them
-                tmp.unlink(missing_ok=True); raise
-            os.replace(tmp, self.path)
+            with atomic_write(self.path) as tmp: _combine_parts(self.parts, tmp)   # a full disk, a second Ctrl-C: the parts stay, and the reader finds them
             shutil.rmtree(self.parts)
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
@@ -161,15 +150,8 @@ def _step_name(df):
 def _write_step(df, path):
     "One step's rows as one Parquet file (one row group), fsynced under a hidden name, then renamed into place."
     import pyarrow as pa, pyarrow.parquet as pq
-    tmp = path.with_name(f'.{path.name}.tmp')
-    with open(tmp, 'wb') as f:
-        pq.write_table(pa.Table.from_pandas(_plain(df), preserve_index=False), f, row_group_size=max(len(df), 1))
-        f.flush(); os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-def _plain(df):
-    "Categoricals as plain strings, so every file has the same column types."
-    return df.astype({c: str for c in STR_COLS if c in df and isinstance(df[c].dtype, pd.CategoricalDtype)})
+    with atomic_write(path) as tmp:
+        pq.write_table(pa.Table.from_pandas(as_strings(df, STR_COLS), preserve_index=False), tmp, row_group_size=max(len(df), 1))
 
 def _part_files(parts): return sorted(parts.glob('part-*.parquet'))
 
@@ -215,20 +197,20 @@ def _torn_name(tail, header):
 # %% ../nbs/02_recorder.ipynb #c2e74dbc
 def _read_csv(path):
     raw = _committed(path, path.read_bytes())
-    if not raw.strip(): raise ValueError(f"{path}: empty file, no sketches in it")
+    if not raw.strip(): raise InputError(f"{path}: empty file, no sketches in it")
     if not raw.endswith(b'\n'):
         cut = raw.rfind(b'\n') + 1
         warnings.warn(f"{path}: dropped an incomplete last line (the writer was interrupted mid-line)")
         raw = raw[:cut]
     import io
     try: return pd.read_csv(io.BytesIO(raw), dtype={c: str for c in STR_COLS}, keep_default_na=False, na_values=[''])
-    except pd.errors.ParserError as e: raise ValueError(f"{path}: malformed CSV: {e}") from None
-    except UnicodeDecodeError: raise ValueError(f"{path}: not a text CSV file") from None
+    except pd.errors.ParserError as e: raise InputError(f"{path}: malformed CSV: {e}") from None
+    except UnicodeDecodeError: raise InputError(f"{path}: not a text CSV file") from None
 
 def _read_parquet(path):
     import pyarrow as pa, pyarrow.parquet as pq
     try: return pq.read_table(path).to_pandas()
-    except (pa.ArrowInvalid, OSError) as e: raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    except (pa.ArrowInvalid, OSError) as e: raise InputError(f"{path}: not a readable Parquet file ({e})") from None
 
 INT64_LIMIT = 2.0 ** 63   # |integer column| below this, or int64 would wrap it silently
 
@@ -240,11 +222,10 @@ def _check_int(raw, col, path, line0, c):
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
         where = f"line {i + line0}" if line0 else f"row {i}"
-        raise ValueError(f"{path}: {where}: column {c!r} holds {raw.iloc[i]}, {what} (column {c!r} must hold integers)")
+        raise InputError(f"{path}: {where}: column {c!r} holds {raw.iloc[i]}, {what} (column {c!r} must hold integers)")
 
 def _check(df, path, line0):
-    missing = [c for c in SCHEMA if c not in df.columns]
-    if missing: raise ValueError(f"{path}: missing columns {', '.join(missing)} (expected {', '.join(SCHEMA)})")
+    require_columns(df.columns, SCHEMA, str(path))
     for c in INT_COLS + ['value']:
         col = pd.to_numeric(df[c], errors='coerce')
         bad = col.isna()
@@ -254,42 +235,31 @@ def _check(df, path, line0):
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
             where = f"line {i + line0}" if line0 else f"row {i}"
-            raise ValueError(f"{path}: {where}: column {c!r} holds {df[c].iloc[i]!r}, not a number")
+            raise InputError(f"{path}: {where}: column {c!r} holds {df[c].iloc[i]!r}, not a number")
         if c != 'value': _check_int(df[c], col, path, line0, c)
         df[c] = col.astype(np.float64 if c == 'value' else np.int64)
-    for c in STR_COLS: df[c] = df[c].fillna('').astype(str)   # an empty name ('' dist) stays '', not missing
+    df = as_strings(df, STR_COLS)   # an empty name ('' dist) stays '', not missing
     old = df['stat'].isin(list(RENAMED_STATS))
     if old.any(): df.loc[old, 'stat'] = df.loc[old, 'stat'].map(RENAMED_STATS)   # a schema-1 file
     if 'rank' in df:
         r = pd.to_numeric(df['rank'], errors='coerce')
-        if r.isna().any() or (r % 1 != 0).any(): raise ValueError(f"{path}: column 'rank' must hold integers (a torch.distributed rank)")
+        if r.isna().any() or (r % 1 != 0).any(): raise InputError(f"{path}: column 'rank' must hold integers (a torch.distributed rank)")
         df['rank'] = r.astype(np.int64)
     rest = (['rank'] if 'rank' in df else []) + [c for c in df.columns if c not in SCHEMA and c != 'rank']
     return df[SCHEMA + rest]
 
-def _dataset_files(path):
-    "The part files of a dataset directory (hidden `.`/`_` names skipped), in (partitions, step, rank) order."
-    files = [f for f in path.rglob('*.parquet') if not any(p.startswith(('.', '_')) for p in f.relative_to(path).parts)]
-    def key(f):
-        parts = dict(p.split('=', 1) for p in f.relative_to(path).parts[:-1] if '=' in p)
-        rank = parts.pop('rank', '0'); m = re.match(r'part-(\d+)', f.name)
-        return (sorted(parts.items()), int(m.group(1)) if m else -1, int(rank) if rank.lstrip('-').isdigit() else rank, f.name)
-    return sorted(files, key=key)
-
-PARTITION_TYPES = {'run_id': 'string', 'rank': 'int64', 'step': 'int64'}   # other partition keys are read as strings
-
 def _read_dataset(path):
     import pyarrow as pa, pyarrow.dataset as ds, pyarrow.parquet as pq
-    files = _dataset_files(path)
-    if not files: raise ValueError(f"{path}: a directory without Parquet part files, so no sketches in it (expected run_id=.../rank=.../part-*.parquet)")
+    files = dataset_files(path)
+    if not files: raise InputError(f"{path}: a directory without Parquet part files, so no sketches in it (expected run_id=.../rank=.../part-*.parquet)")
     keys = [p.split('=', 1)[0] for p in files[0].relative_to(path).parts[:-1] if '=' in p]
     part = ds.partitioning(pa.schema([(k, PARTITION_TYPES.get(k, 'string')) for k in keys]), flavor='hive')
     try: t = ds.dataset([str(f) for f in files], format='parquet', partitioning=part, partition_base_dir=str(path)).to_table()
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
         for f in files:          # name the part that broke
             try: pq.read_metadata(f)
-            except (pa.ArrowInvalid, OSError): raise ValueError(f"{f}: not a readable Parquet file (part of the dataset {path})") from None
-        raise ValueError(f"{path}: the dataset's parts do not fit together ({e})") from None
+            except (pa.ArrowInvalid, OSError): raise InputError(f"{f}: not a readable Parquet file (part of the dataset {path})") from None
+        raise InputError(f"{path}: the dataset's parts do not fit together ({e})") from None
     df = t.to_pandas()
     return df[[c for c in SCHEMA if c in df] + [c for c in df if c not in SCHEMA]]
 
@@ -309,7 +279,7 @@ def read_sketches(path)->pd.DataFrame:
     fmt = path.suffix.lower()
     if fmt == '.csv': return _check(_read_csv(path), path, 2)
     if fmt == '.parquet': return _check(_read_parquet(path), path, 0)
-    raise ValueError(f"{path}: unknown format {path.suffix or '(no extension)'!r}; expected .csv or .parquet, or a dataset directory")
+    raise InputError(f"{path}: unknown format {path.suffix or '(no extension)'!r}; expected .csv or .parquet, or a dataset directory")
 
 # %% ../nbs/02_recorder.ipynb #2badccdf
 def _call_args(batch):
@@ -329,12 +299,12 @@ def _inject(gm, taps, bins):
     "`gm` with the passes `taps` asks for applied; a clear error when the model has none of those sites."
     taps = (taps,) if isinstance(taps, str) else tuple(taps)
     bad = [t for t in taps if t not in TAP_KINDS]
-    if bad or not taps: raise ValueError(f"taps must be some of {', '.join(TAP_KINDS)}, not {', '.join(map(repr, bad)) or 'nothing'}")
+    if bad or not taps: raise InputError(f"taps must be some of {', '.join(TAP_KINDS)}, not {', '.join(map(repr, bad)) or 'nothing'}")
     inj, infer = gm, tuple(k for k in INFER_KINDS if k in taps)
     has_sdpa = 'softmax' in infer and any(n.op == 'call_function' and n.target in SDPA_TARGETS for n in gm.graph.nodes)
     if infer and (has_sdpa or infer_sites(gm, infer)): inj = inject_infer_stats(gm, infer)
     if 'matmul' in taps and (inj is gm or matmul_sites(inj)): inj = inject_matmul_stats(inj, bins=bins)
-    if inj is gm: raise ValueError(f"no {' or '.join(taps)} sites in {type(gm).__name__}")
+    if inj is gm: raise InputError(f"no {' or '.join(taps)} sites in {type(gm).__name__}")
     return _mask_queries(inj)
 
 def _mask_queries(inj):
@@ -411,7 +381,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
     "Record the sketches of every matmul, softmax and top-k of `model` over `batches`; the tidy rows, or with a sink (unless `keep`) a `Recorded` summary."
     it = iter(batches)
     try: first = next(it)
-    except StopIteration: raise ValueError("record needs at least one batch") from None
+    except StopIteration: raise InputError("record needs at least one batch") from None
     args, kwargs = _call_args(first)
     gm = trace(model, *args, **kwargs)
     inj = _inject(gm, taps, bins)
@@ -427,7 +397,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
         ids = iter(range(1 << 62) if step_ids is None else step_ids)
         for i, batch in enumerate(steps):
             step = next(ids, None)
-            if step is None: raise ValueError(f"step_ids ran out after {i} steps; give one step index per batch")
+            if step is None: raise InputError(f"step_ids ran out after {i} steps; give one step index per batch")
             args, kwargs = _call_args(batch)
             with torch.no_grad():
                 if i == 0 or gate_every: _, stats = eager_gate(lambda: model(*args, **kwargs), lambda: inj(*args, **kwargs),
@@ -455,10 +425,9 @@ def sweep(sink=None, # a `Recorder` or a .csv/.parquet path (or None: rows in me
           keep:bool=None, # also return every row (default: only without a sink)
          ):
     "Record every (shape, distribution) pair of the grid (run ids `dist-MxKxN`); the rows, or with a sink (unless `keep`) a `Recorded` summary."
-    from opscope.zoo import DISTS, gemm, make_tensor
     dists = list(dists or DISTS)
     bad = [d for d in dists if d not in DISTS]
-    if bad: raise ValueError(f"unknown distribution(s) {', '.join(bad)}; choose from {', '.join(DISTS)}")
+    if bad: raise InputError(f"unknown distribution(s) {', '.join(bad)}; choose from {', '.join(DISTS)}")
     own = sink is not None and not isinstance(sink, Recorder)
     rec = Recorder(sink) if own else sink
     grid = [(s, d) for s in shapes for d in dists]

@@ -13,6 +13,7 @@ import torch.nn as nn
 from .inject import trace
 from .recorder import Recorder, TAP_KINDS, decode_stats, eager_gate, record, _inject
 from .shapes import coverage, coverage_warning, tapped_share
+from .tables import InputError
 
 # %% auto #0
 __all__ = ['DECODERS', 'StaticDecoder', 'static_cache', 'decode_positions', 'record_generate', 'tiny_decoder', 'load_factory',
@@ -84,7 +85,7 @@ def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval m
                     progress:bool=False, # show a progress bar
                    )->tuple[torch.Tensor, pd.DataFrame]:
     "Greedy-decode `max_new_tokens` tokens through a static KV cache, recording every forward call: `(tokens, sketches)`."
-    if max_new_tokens < 1: raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    if max_new_tokens < 1: raise InputError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
     B, T = input_ids.shape
     L, dev = T + max_new_tokens - 1, input_ids.device     # the last new token is never fed back: no slot for it
     prompt = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
@@ -148,7 +149,7 @@ def tiny_decoder(arch:str, # one of `DECODERS`
             'mixtral': lambda: tf.MixtralConfig(**common, **moe, num_local_experts=experts),
             'qwen2_moe': lambda: tf.Qwen2MoeConfig(**common, **moe, num_experts=experts, moe_intermediate_size=hidden,
                                                    shared_expert_intermediate_size=2 * hidden)}
-    if arch not in cfgs: raise ValueError(f"unknown decoder {arch!r}; choose one of {', '.join(DECODERS)}")
+    if arch not in cfgs: raise InputError(f"unknown decoder {arch!r}; choose one of {', '.join(DECODERS)}")
     torch.manual_seed(seed)
     return tf.AutoModelForCausalLM.from_config(cfgs[arch]()).eval()
 
@@ -157,19 +158,19 @@ def load_factory(spec:str, # 'FILE.py:FACTORY'
                 )->tuple[nn.Module, list]:
     "`(model, batches)` from the function FACTORY in the Python file FILE.py, checked."
     path, sep, name = str(spec).rpartition(':')
-    if not sep or not path or not name: raise ValueError(f"{spec}: a model spec is FILE.py:FACTORY")
+    if not sep or not path or not name: raise InputError(f"{spec}: a model spec is FILE.py:FACTORY")
     p = Path(path)
     if not p.is_file(): raise FileNotFoundError(f"{path}: no such file (model spec {spec})")
     mod_spec = importlib.util.spec_from_file_location(f'opscope_factory_{p.stem}', p)
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     fn = getattr(mod, name, None)
-    if not callable(fn): raise ValueError(f"{path} has no function {name!r} (model spec {spec})")
+    if not callable(fn): raise InputError(f"{path} has no function {name!r} (model spec {spec})")
     got = fn()
     if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], nn.Module)):
-        raise ValueError(f"{spec} must return (model, batches) with an nn.Module first, not {type(got).__name__}")
+        raise InputError(f"{spec} must return (model, batches) with an nn.Module first, not {type(got).__name__}")
     batches = list(got[1])
-    if not batches: raise ValueError(f"{spec} returned no batches")
+    if not batches: raise InputError(f"{spec} returned no batches")
     return got[0], batches
 
 def _is_decoder(config):
@@ -180,14 +181,14 @@ def load_hf(path, # a local folder with config.json, *.safetensors weights and a
     "`(model, tokenizer, is_decoder)` from a local Hugging Face folder, offline and without pickle."
     p = Path(path)
     if not p.is_dir(): raise FileNotFoundError(f"{path}: no such folder")
-    if not (p / 'config.json').is_file(): raise ValueError(f"{path}: not a Hugging Face model folder (no config.json)")
-    if not any(p.glob('*.safetensors')): raise ValueError(f"{path}: no *.safetensors weights (opscope loads no pickle)")
+    if not (p / 'config.json').is_file(): raise InputError(f"{path}: not a Hugging Face model folder (no config.json)")
+    if not any(p.glob('*.safetensors')): raise InputError(f"{path}: no *.safetensors weights (opscope loads no pickle)")
     import transformers as tf     # optional heavy dependency
     cfg = tf.AutoConfig.from_pretrained(p, local_files_only=True)
     dec = _is_decoder(cfg)
     model = (tf.AutoModelForCausalLM if dec else tf.AutoModel).from_pretrained(p, local_files_only=True, use_safetensors=True).eval()
     try: tok = tf.AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except Exception as e: raise ValueError(f"{path}: no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except Exception as e: raise InputError(f"{path}: no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return model, tok, dec
 
 def read_prompts(path)->list[str]:
@@ -195,7 +196,7 @@ def read_prompts(path)->list[str]:
     p = Path(path)
     if not p.is_file(): raise FileNotFoundError(f"{path}: no such prompts file")
     lines = [l.strip() for l in p.read_text().splitlines() if l.strip()]
-    if not lines: raise ValueError(f"{path}: no prompts in it (one per line)")
+    if not lines: raise InputError(f"{path}: no prompts in it (one per line)")
     return lines
 
 # %% ../nbs/02b_runners.ipynb #118bd10e

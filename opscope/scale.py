@@ -9,9 +9,12 @@ from itertools import chain, islice
 from pathlib import Path
 import numpy as np
 import pandas as pd
-from .recorder import Recorder, record, read_sketches, SCHEMA, _dataset_files, PARTITION_TYPES, RENAMED_STATS
+from .tables import InputError, SCHEMA, MINE_COLS, PARTITION_TYPES, RENAMED_STATS, require_columns, as_strings, dataset_files
+from .zoo import seq_model, stepped_sequence, mnist_mlp, mnist_batches
+from .recorder import Recorder, record, read_sketches
 from . import miner as _m
 from . import partials as _p
+from . import scale as _self   # this module as imported: spawned ranks unpickle `_spawned` from it (also when called from the notebook)
 
 # %% auto #0
 __all__ = ['WORKLOADS', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings', 'mine_dask']
@@ -45,10 +48,9 @@ def record_shard(model, # an `nn.Module` (each rank holds its own replica)
 WORKLOADS = ('seq', 'mnist')
 
 def _workload(name, steps):
-    from opscope.zoo import seq_model, stepped_sequence, mnist_mlp, mnist_batches
     if name == 'seq': return seq_model(), stepped_sequence(steps), 'seq', 'seq'
     if name == 'mnist': return mnist_mlp(), mnist_batches(steps), 'mnist', 'mnist'
-    raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    raise InputError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
 
 def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -72,9 +74,8 @@ def record_spawned(out, # the dataset directory to write
                   ):
     "Record a zoo workload with `world` local ranks (spawned, loopback only), each writing its shard of the dataset `out`."
     import torch.multiprocessing as mp
-    if workload not in WORKLOADS: raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
-    from opscope.scale import _spawned     # by module, so spawned children can import it (also from a notebook)
-    mp.spawn(_spawned, args=(world, _free_port(), str(out), workload, steps, backend), nprocs=world, join=True)
+    if workload not in WORKLOADS: raise InputError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    mp.spawn(_self._spawned, args=(world, _free_port(), str(out), workload, steps, backend), nprocs=world, join=True)
     return Path(out)
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae
@@ -99,8 +100,8 @@ def _source(con, src):
     p = Path(src)
     if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
     if p.is_dir():
-        files = _dataset_files(p)
-        if not files: raise ValueError(f"{p}: a directory without Parquet part files, so no sketches in it")
+        files = dataset_files(p)
+        if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
         keys = [s.split('=', 1)[0] for s in files[0].relative_to(p).parts[:-1] if '=' in s]
         types = ', '.join(f"{_Q(k)}: {'BIGINT' if PARTITION_TYPES.get(k) == 'int64' else 'VARCHAR'}" for k in keys)
         hive = f", hive_partitioning = true, hive_types = {{{types}}}" if keys else ''
@@ -112,9 +113,8 @@ def _views(con, src, name):
     "Views `sk` (typed, NaN as NULL) and `base` (matmul-style taps) over the source; the source's columns."
     frm = _source(con, src)
     try: cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {frm}").fetchall()]
-    except Exception as e: raise ValueError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
-    missing = [c for c in ['run_id', 'dist', 'site', 'role', 'step', 'stat', 'idx', 'value'] if c not in cols]
-    if missing: raise ValueError(f"{name}: cannot mine: the sketches lack columns {', '.join(missing)}")
+    except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
+    require_columns(cols, MINE_COLS, name)
     rank = ', CAST("rank" AS BIGINT) AS "rank"' if 'rank' in cols else ''
     con.execute(f"""CREATE VIEW raw AS SELECT CAST(run_id AS VARCHAR) run_id, CAST(dist AS VARCHAR) dist,
         CAST(site AS VARCHAR) site, CAST(role AS VARCHAR) role, CAST(step AS BIGINT) step, {_stat_sql()} stat,
@@ -167,7 +167,7 @@ def _features_sql(con):
               FROM c JOIN m USING ({K}, step) GROUP BY ALL)
         SELECT {K}, avg(nn(ratio)) outlier_ratio, max(n) channels FROM p GROUP BY ALL""", _m.KEYS)
     steps = _q(con, f"SELECT {K}, count(DISTINCT step) steps FROM base GROUP BY ALL", _m.KEYS).steps
-    return _m._derived(pd.concat([scal, hist, rows, chan], axis=1), steps)
+    return _m.derived_features(pd.concat([scal, hist, rows, chan], axis=1), steps)
 
 def _channel_findings_sql(con):
     "Per-channel reductions (dead channels, outlier shares) and the softmax / top-k rows pooled over steps (`partials.infer_table`)."
@@ -224,15 +224,15 @@ def mine_duckdb(src, # a Parquet dataset directory, a .parquet / .csv sketches f
         if con.execute("SELECT count(*) FROM sk").fetchone()[0] == 0: return pd.DataFrame(columns=_m.FINDINGS)
         if 'rank' in cols:
             clash = con.execute('SELECT run_id, step FROM sk GROUP BY run_id, step HAVING count(DISTINCT "rank") > 1 LIMIT 1').fetchall()
-            if clash: raise ValueError(f"run {clash[0][0]!r} step {clash[0][1]} was recorded by more than one rank; shards must record "
+            if clash: raise InputError(f"run {clash[0][0]!r} step {clash[0][1]} was recorded by more than one rank; shards must record "
                                        "global step indices (scale.record_shard does) so that the ranks' steps do not collide")
         t = dict(_channel_findings_sql(con), features=None, cross=None)
         if con.execute("SELECT count(*) FROM (SELECT 1 FROM base LIMIT 1)").fetchone()[0]:
             t.update(features=_features_sql(con), cross=_cross_sql(con))
-        t['steps'] = _m._step_frame(_q(con, "SELECT * FROM steps", _m.KEYS + ['step']))
+        t['steps'] = _m.step_frame(_q(con, "SELECT * FROM steps", _m.KEYS + ['step']))
         t['probs'] = con.execute("SELECT run_id, site, role, step, stat, value FROM sk WHERE stat = 'numel' AND role IN ('attn', 'lhs')").df()
         return _p.findings_from_tables(**t)
-    except duckdb.Error as e: raise ValueError(f"{name}: DuckDB could not mine it: {str(e).splitlines()[0]}") from None
+    except duckdb.Error as e: raise InputError(f"{name}: DuckDB could not mine it: {str(e).splitlines()[0]}") from None
     finally: con.close()
 
 # %% ../nbs/03a_scale.ipynb #75ded7ac
@@ -281,8 +281,8 @@ def _read_dask(dd, src, storage_options=None, workers=1):
         if local:
             p = Path(s)
             if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
-            files = _dataset_files(p) if p.is_dir() else [p]
-            if not files: raise ValueError(f"{p}: a directory without Parquet part files, so no sketches in it")
+            files = dataset_files(p) if p.is_dir() else [p]
+            if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
             if p.suffix.lower() == '.csv': return _read_dask(dd, read_sketches(p), workers=workers)
         try:
             if local and p.is_dir():     # neighbouring part files (whole steps) grouped into partitions of ~PART_BYTES
@@ -291,9 +291,8 @@ def _read_dask(dd, src, storage_options=None, workers=1):
                 groups = [[str(f) for f in g] for g in np.array_split(np.array(files, dtype=object), n)]
                 d = dd.from_map(_p.read_parts, groups, base=str(p), types={k: PARTITION_TYPES.get(k, 'string') for k in keys})
             else: d = dd.read_parquet(s, storage_options=storage_options)
-        except Exception as e: raise ValueError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
-    missing = [c for c in ['run_id', 'dist', 'site', 'role', 'step', 'stat', 'idx', 'value'] if c not in d.columns]
-    if missing: raise ValueError(f"{name}: cannot mine: the sketches lack columns {', '.join(missing)}")
+        except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
+    require_columns(d.columns, MINE_COLS, name)
     cols = {k: d[k].astype('string').fillna('') for k in _m.KEYS + ['stat']}
     cols.update(step=d.step.astype('int64'), idx=d.idx.astype('int64'), value=d.value.astype('float64'))
     if 'rank' in d.columns: cols['rank'] = d['rank'].astype('int64')
@@ -302,7 +301,7 @@ def _read_dask(dd, src, storage_options=None, workers=1):
 def _strkeys(x):
     "A gathered pandas result with KEYS as plain str columns (so both engines' tables align)."
     x = x.reset_index(drop=x.index.names == [None])   # a named index (group keys) becomes columns
-    return x.assign(**{k: x[k].astype(str) for k in _m.KEYS})
+    return as_strings(x, _m.KEYS)
 
 def _whole_steps(sk, run):
     "`sk` with every (run_id, step) inside one partition (shuffled if not); refuses steps from two ranks."
@@ -311,7 +310,7 @@ def _whole_steps(sk, run):
         r = steps.groupby(['run_id', 'step'])['rank'].nunique()
         if (r > 1).any():
             run_, step = r[r > 1].index[0]
-            raise ValueError(f"run {run_!r} step {step} was recorded by more than one rank; shards must record global "
+            raise InputError(f"run {run_!r} step {step} was recorded by more than one rank; shards must record global "
                              "step indices (scale.record_shard does) so that the ranks' steps do not collide")
     return (sk.shuffle(on=['run_id', 'step']) if steps.duplicated(['run_id', 'step']).any() else sk), len(steps)
 
@@ -336,7 +335,7 @@ def _dask_tables(sk, run):
     out = dict(dead=t['dead'], share=share[share.share >= _m.OUTLIER_PERSIST], infer=P.infer_table(t['isum'], t['head']),
                features=None, cross=None)
     if len(t['numel']):
-        usual = _m._usual_steps(t['numel'].assign(stat='numel'))
+        usual = _m.usual_steps(t['numel'].assign(stat='numel'))
         u = usual.astype({k: sk[k].dtype for k in K})
         ca = base.map_partitions(P.usual_rows, u, ['chan_absmax'])[G + ['idx', 'value']]
         rng_ = _strkeys(run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max'], **one))[0])
@@ -348,9 +347,9 @@ def _dask_tables(sk, run):
         f = pd.concat([t['scal'].pivot(index=K, columns='stat', values='value'),
                        pd.DataFrame({'kurtosis_all': (h.w4 / h.w) / (h.w2 / h.w) ** 2}), per('rows'),
                        per('chan').rename(columns={'ratio': 'outlier_ratio', 'n': 'channels'})], axis=1)
-        out.update(features=_m._derived(f, per('steps').iloc[:, 0]),
+        out.update(features=_m.derived_features(f, per('steps').iloc[:, 0]),
                    cross=((rel <= _m.STATIONARY_RTOL).groupby(level=K).all(), usual.groupby(K).size(),
-                          _m._step_matrix(ca.sort_values('step', kind='stable').assign(stat='chan_absmax'), 'chan_absmax', usual)))
+                          _m.step_matrix(ca.sort_values('step', kind='stable').assign(stat='chan_absmax'), 'chan_absmax', usual)))
     return out
 
 # %% ../nbs/03a_scale.ipynb #ca228aa8

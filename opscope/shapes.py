@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 import torch.fx._pytree as fx_pytree
 from . import zoo
 from .inject import trace, decompose_attention, matmul_sites, site_names, expert_site
+from .tables import InputError
 
 # %% auto #0
 __all__ = ['NORM_OPS', 'SOFTMAX_OPS', 'REDUCE_OPS', 'MEMORY_OPS', 'FREE_OPS', 'SDPA_OPS', 'UNCOSTED_OPS', 'GROUPED_OPS',
@@ -180,7 +181,7 @@ def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`
     m = model_or_gm
     if isinstance(m, torch.fx.GraphModule):
         interp, spec = _NodeSites(m), _in_spec(m)
-        if kwargs and spec is None: raise ValueError(f"a GraphModule takes positional inputs only; got keywords {', '.join(kwargs)}")
+        if kwargs and spec is None: raise InputError(f"a GraphModule takes positional inputs only; got keywords {', '.join(kwargs)}")
         flat = inputs if spec is None else fx_pytree.tree_flatten_spec((inputs, kwargs), spec)
         mode, run, handles = _CostMode(lambda: interp.current), lambda: interp.run(*flat, enable_io_processing=spec is None), []
     else:
@@ -310,7 +311,7 @@ def shapes_model(name:str, # a zoo model (`ZOO_MODELS`) or a torchvision classif
         m = {'mlp': zoo.mlp, 'transformer': zoo.transformer, 'moe': zoo.moe, 'mnist': zoo.mnist_mlp}[name]()
         return m, (zoo.example_input(m, batch=batch),)
     if name not in torchvision_models():
-        raise ValueError(f"unknown model {name!r}: use one of {', '.join(ZOO_MODELS)} or a torchvision classification "
+        raise InputError(f"unknown model {name!r}: use one of {', '.join(ZOO_MODELS)} or a torchvision classification "
                          "model such as resnet18, mobilenet_v2, vit_b_16")
     from torchvision.models import get_model, get_model_weights
     size = get_model_weights(name).DEFAULT.transforms().crop_size[0]

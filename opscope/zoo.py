@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from .tables import InputError
 
 # %% auto #0
 __all__ = ['DISTS', 'OUTLIER_SCALE', 'LOWRANK_RANK', 'HEAVYTAIL_NU', 'INFER_MODELS', 'MNIST_ROOT', 'SENTENCES',
@@ -55,7 +56,7 @@ def make_tensor(dist:str, # one of `DISTS`
                 structure_seed:int=0, # where the structure is planted (outlier channels, low-rank subspace)
                )->torch.Tensor:
     "A tensor of `shape` drawn from `dist`, deterministic for `seed` and `structure_seed`."
-    if dist not in DISTS: raise ValueError(f"unknown distribution {dist!r}; choose one of {', '.join(DISTS)}")
+    if dist not in DISTS: raise InputError(f"unknown distribution {dist!r}; choose one of {', '.join(DISTS)}")
     shape = tuple(int(s) for s in shape)
     g = torch.Generator().manual_seed(seed)
     if dist == 'gaussian':  x = torch.randn(shape, generator=g)
@@ -199,7 +200,7 @@ def moe(layers:int=2, d:int=64, experts:int=8, k:int=2, hidden:int=None, seed:in
     m = MoE(layers, d, experts, k, hidden).eval().requires_grad_(False)
     if router_bias is not None:
         b = torch.as_tensor(router_bias, dtype=torch.float32)
-        if b.shape != (experts,): raise ValueError(f"router_bias needs one value per expert ({experts}), got shape {tuple(b.shape)}")
+        if b.shape != (experts,): raise InputError(f"router_bias needs one value per expert ({experts}), got shape {tuple(b.shape)}")
         for l in m.layers: l.router.bias += b
     return m
 
@@ -293,8 +294,8 @@ def infer_workload(name:str, # one of `INFER_MODELS`
                    seed:int=0, # first value seed (zoo models)
                   ):
     "`(model, batches)` for recording attention / routing dynamics: the zoo transformer or MoE, or MiniLM on `SENTENCES`."
-    if name not in INFER_MODELS: raise ValueError(f"unknown model {name!r}; choose one of {', '.join(INFER_MODELS)}")
-    if steps < 1: raise ValueError(f"steps must be at least 1, not {steps}")
+    if name not in INFER_MODELS: raise InputError(f"unknown model {name!r}; choose one of {', '.join(INFER_MODELS)}")
+    if steps < 1: raise InputError(f"steps must be at least 1, not {steps}")
     if name != 'minilm':
         m = transformer() if name == 'transformer' else moe()
         return m, [example_input(m, seed=seed + s) for s in range(steps)]
@@ -337,7 +338,7 @@ def load_mnist(n:int=None, # how many images (default all), drawn with a seeded 
 def mnist_batches(n_batches:int=12, batch:int=64, seed:int=0)->list:
     "`n_batches` batches of `batch` real MNIST images (pixels in [0, 1]), from a seeded shuffle."
     x, _ = load_mnist(n_batches * batch, seed=seed)
-    if len(x) < n_batches * batch: raise ValueError(f"only {len(x)} MNIST images available, asked for {n_batches} x {batch}")
+    if len(x) < n_batches * batch: raise InputError(f"only {len(x)} MNIST images available, asked for {n_batches} x {batch}")
     return list(x.split(batch))
 
 # %% ../nbs/00_zoo.ipynb #96f451da

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from opscope.zoo import DISTS, make_tensor, mlp, transformer, moe, mnist_mlp, example_input, outlier_channels
 from opscope.inject import trace, inject_matmul_stats, gate, sketch, STATS
 from opscope.recorder import record, read_sketches, sweep, SCHEMA, SWEEP_SHAPES
-from opscope.miner import mine, planted_check
+from opscope.miner import mine
+from opscope.bench import planted_check
 
 
 @pytest.mark.parametrize('seed,structure_seed', [(1000, 0), (2024, 7)])

@@ -58,7 +58,7 @@ def test_dask_refuses_rank_clash_and_bad_input(sketches, cluster, tmp_path):
     with pytest.raises(ValueError, match='more than one rank'):
         mine_dask(pd.concat([one.assign(rank=0), one.assign(rank=1)]), cluster)
     with pytest.raises(FileNotFoundError, match='no such file'): mine_dask(tmp_path / 'nothing', cluster)
-    with pytest.raises(ValueError, match='lack columns stat'): mine_dask(one.drop(columns='stat'), cluster)
+    with pytest.raises(ValueError, match="missing columns stat"): mine_dask(one.drop(columns='stat'), cluster)
     (tmp_path / 'empty').mkdir()
     with pytest.raises(ValueError, match='no sketches in it'): mine_dask(tmp_path / 'empty', cluster)
     assert mine_dask(one.iloc[:0], cluster).empty

@@ -1,5 +1,5 @@
 "Fault injection: every recording CLI killed (SIGINT, SIGTERM, SIGKILL) mid-run into CSV, Parquet and a dataset; a full disk; hostile arguments."
-import contextlib, errno, io, os, random, re, signal, subprocess, sys, time, warnings
+import contextlib, errno, io, os, random, re, signal, subprocess, sys, textwrap, time, warnings
 from pathlib import Path
 
 import numpy as np
@@ -331,3 +331,35 @@ def test_rss_flat_over_1000_steps(tmp_path):
     growth = (rss[-1] - rss[0]) / 2**20
     print(f"RSS over 1,000 steps: {rss[0] / 2**20:.0f} → {rss[-1] / 2**20:.0f} MiB ({growth:+.1f} MiB)")
     assert growth < 64, f"RSS grew {growth:.1f} MiB over 1,000 steps: {[round(x / 2**20) for x in rss]}"
+
+
+def test_only_input_errors_are_one_line(capsys):
+    "An opscope ValueError that is not an InputError is a bug too (no stopgap turns it into a line); an InputError is one line, exit 2."
+    from opscope.tables import InputError, MissingError
+    with pytest.raises(ValueError, match='a bug'):
+        with cli.cli_errors('prog'): raise ValueError('a bug')
+    for e in (InputError('bad input'), MissingError('no site x')):
+        with pytest.raises(SystemExit) as x:
+            with cli.cli_errors('prog'): raise e
+        assert x.value.code == 2
+        assert capsys.readouterr().err.strip() in ('prog: error: bad input', 'prog: error: no site x')
+
+
+def test_library_bug_in_a_cli_shows_its_traceback(tmp_path):
+    "A CLI whose library call raises ValueError (a bug, monkeypatched in) prints the traceback; bad input stays one line."
+    sk = tmp_path / 'sk.csv'
+    code = textwrap.dedent(f"""
+        import sys
+        from opscope.recorder import sweep
+        sweep({str(sk)!r}, shapes=((8, 16, 16),), dists=['gaussian'], steps=1)
+        import opscope.cli as c
+        def bug(*a, **k): raise ValueError('mine broke')
+        c.mine = bug
+        sys.argv = ['opscope-mine', {str(sk)!r}]
+        c.opscope_mine()
+    """)
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1 and 'Traceback' in r.stderr and 'ValueError: mine broke' in r.stderr, r.stderr[-2000:]
+    bad = tmp_path / 'bad.csv'; bad.write_text('run_id,step\nx,1\n')
+    r = subprocess.run(['opscope-mine', str(bad)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'missing columns' in r.stderr and 'Traceback' not in r.stderr, r.stderr

@@ -81,12 +81,12 @@ def test_training_steps_recorded_weights_not_stationary():
     weights = set(inj.manifest[inj.manifest.static & (inj.manifest.role == 'rhs')].site)
     assert len(weights) == 6                            # q, k, v, o, up, down
     cs = cross_step(df).reset_index()
-    rhs = cs[(cs.role.astype(str) == 'rhs') & cs.site.astype(str).isin(weights)]
+    rhs = cs[(cs.role == 'rhs') & cs.site.isin(weights)]
     assert len(rhs) and not rhs.stationary.any(), rhs
     found = mine(df)
-    stat_rhs = found[(found.exploit == 'stationary') & (found.role.astype(str) == 'rhs')]
+    stat_rhs = found[(found.exploit == 'stationary') & (found.role == 'rhs')]
     assert stat_rhs.empty, stat_rhs
     # frozen weights (eval, no optimizer) are still stationary
     frozen = pd.concat([decode_stats(inj(x)[1], run_id='frozen', step=s, backend='cpu', dist='gaussian') for s, x in enumerate(xs)])
     cf = cross_step(frozen).reset_index()
-    assert cf[(cf.role.astype(str) == 'rhs') & cf.site.astype(str).isin(weights)].stationary.all()
+    assert cf[(cf.role == 'rhs') & cf.site.isin(weights)].stationary.all()

@@ -30,7 +30,7 @@ def test_same_findings_pandas_duckdb_file_and_dataset(two_ranks):
     d, ds, one = two_ranks
     ref = mine(one)
     assert len(ref) > 10 and {'stationary', 'temporal-coherence'} <= set(ref.exploit)
-    for got in (mine(ds), mine(ds, engine='duckdb'), mine_duckdb(d / 'seq.parquet', memory_limit='200MB', threads=1)):
+    for got in (mine(ds), mine_duckdb(ds), mine_duckdb(d / 'seq.parquet', memory_limit='200MB', threads=1)):
         assert same_findings(ref, got)
 
 
@@ -40,7 +40,7 @@ def test_same_findings_sweep_and_mnist(tmp_path):
     p = tmp_path / 'ds'
     with Recorder(p) as rec:
         for _, g in df.groupby(['run_id', 'step'], observed=True, sort=False): rec.write(g)
-    a, b = mine(df), mine(p, engine='duckdb')
+    a, b = mine(df), mine_duckdb(p)
     assert {'sparse-gemm', 'channel-outliers', 'spiky', 'deep-dump', 'dead-channels'} <= set(a.exploit)
     assert same_findings(a, b)
     b2 = b.copy(); b2.loc[0, 'value'] *= 1 + 1e-6
