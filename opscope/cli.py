@@ -217,7 +217,7 @@ def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or 
 # %% ../nbs/09_cli.ipynb #ae09cec3
 def format_findings(findings, sketches=None)->str:
     "Aligned text, one line per tap: its density, then every finding (channel findings list their channels)."
-    keys = ['run_id', 'dist', 'site', 'role']
+    keys = KEYS
     notes = {}
     for k, g in findings.groupby(keys + ['exploit'], sort=False):
         where = f" [ch {format_channels(g.idx)}]" if (g.idx >= 0).any() else ''

@@ -61,8 +61,8 @@ def normalize_op(name:str, # an op name as a workspace writes it: `aten.mm.defau
     return OP_ALIASES.get(nodim, nodim) or name
 
 # %% ../nbs/04_flow.ipynb #871ef2b7
-class GraphError(ValueError):
-    "A malformed graph: the message names the file and the line or node."
+class GraphError(InputError):
+    "A malformed graph: the message names the file and the line or node (an `InputError`: the CLI prints it as one line)."
 
 STRUCTURAL_OPS = ('input', 'param', 'const', 'output')
 

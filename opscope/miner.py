@@ -418,6 +418,7 @@ def step_table(df:pd.DataFrame, # tidy sketches
     return step_frame(w)
 
 def step_frame(w):
+    "`step_table` from its pivot `w`: the `STEP_STATS` columns as float, missing counts 0, keys as str (shared with the DuckDB engine)."
     w = w.reindex(columns=list(STEP_STATS)).astype(float)
     w[['nan_count', 'inf_count']] = w[['nan_count', 'inf_count']].fillna(0)   # softmax taps count no Inf
     w.index = pd.MultiIndex.from_frame(as_strings(w.index.to_frame(index=False), KEYS))

@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
-from .tables import (InputError, MissingError, SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES,
-                            atomic_write, require_columns, as_strings, dataset_files)   # the table contract, re-exported here
+from .tables import InputError, MissingError, atomic_write, require_columns, as_strings, dataset_files
+from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
 from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch
 
