@@ -10,6 +10,7 @@ import pandas as pd
 import psutil
 import torch
 import torch.nn as nn
+from .tables import atomic_write
 from .zoo import DISTS, make_tensor, transformer, outlier_channels
 from .inject import trace, inject_matmul_stats, compile_injected, sketch, STATS, HIST_SAMPLE, NEARZERO_REL
 from .recorder import record
@@ -304,7 +305,7 @@ def goal_table(rep:dict)->pd.DataFrame:
 def save_report(rep:dict, path):
     "All tables of a report in one long CSV (`table` column), with the machine and time of the run."
     info = dict(host_cpus=os.cpu_count(), load1=os.getloadavg()[0], torch=torch.__version__, when=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
-    pd.concat([t.assign(table=k, **info) for k, t in rep.items()], ignore_index=True).to_csv(path, index=False)
+    with atomic_write(path) as tmp: pd.concat([t.assign(table=k, **info) for k, t in rep.items()], ignore_index=True).to_csv(tmp, index=False)
 
 def load_report(path)->dict:
     "The tables of a report saved by `save_report`."

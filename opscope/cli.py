@@ -447,7 +447,7 @@ def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torc
         for k, t in rep.items(): print(f"{k}:\n{t.round(3).to_string(index=False)}\n", flush=True)
         print(goal_table(rep).round(3).to_string(index=False))
         if out:
-            with atomic_write(p) as tmp: save_report(rep, tmp)
+            save_report(rep, p)   # written whole or not at all (`tables.atomic_write`)
             print(f"wrote {p}")
 
 # %% ../nbs/09_cli.ipynb #f374fc4b

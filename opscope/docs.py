@@ -238,7 +238,7 @@ _NAV = '<!-- opscope-nav -->'
 def _build_page(p, nbs, links, site_title):
     "Process and render one page (in a worker process): `(name, frontmatter, html with a nav placeholder, error)`."
     try: nb = process_nb(Path(nbs) / p)
-    except ValueError as e: return p, {}, None, str(e).split('; nbdev_docs')[0]
+    except InputError as e: return p, {}, None, str(e).split('; nbdev_docs')[0]   # a page that cannot be built; a bug propagates
     fm = quarto_cells(nb, links)
     return p, fm, page_html(nb, fm, _NAV, site_title), None
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import pandas as pd
 from . import zoo
-from .tables import InputError
+from .tables import InputError, atomic_write
 
 # %% auto #0
 __all__ = ['OP_ALIASES', 'ONNX_ALIASES', 'STRUCTURAL_OPS', 'GRAPH_FORMATS', 'MATMUL_OPS', 'ACTIVATION_OPS', 'EPILOGUE_OPS',
@@ -353,7 +353,7 @@ def write_edgelist(g:OpGraph, # the graph to write
         op = n.orig if _OP_RE.match(n.orig or '') else n.op
         shape = '' if n.shape is None else ' shape=' + ','.join(str(d) for d in n.shape)
         out.append(' '.join([n.id, op, *n.inputs]) + shape)
-    Path(path).write_text('\n'.join(out) + '\n')
+    with atomic_write(path) as tmp: tmp.write_text('\n'.join(out) + '\n')
     return Path(path)
 
 # %% ../nbs/04_flow.ipynb #3b2dfef1
