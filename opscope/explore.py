@@ -22,22 +22,22 @@ def stat_kind(stat:str): # a `stat` value of the sketches table
     return STAT_KINDS.get(str(stat), 'scalar')
 
 # %% ../nbs/02a_explore.ipynb #addc5449
-def _sketches(df):
-    "A sketches DataFrame from `df` (a DataFrame or a path), with a clear error on anything else."
-    if isinstance(df, (str, Path)): return read_sketches(df)
-    if not isinstance(df, pd.DataFrame): raise TypeError(f"expected a sketches DataFrame or a file path, got {type(df).__name__}")
-    require_columns(df.columns, SCHEMA, 'not a sketches table')
-    return as_strings(df)
+def _sketches(sketches):
+    "A sketches DataFrame from `sketches` (a DataFrame or a path), validated (`tables`), with a clear error on anything else."
+    if isinstance(sketches, (str, Path)): return read_sketches(sketches)
+    if not isinstance(sketches, pd.DataFrame): raise TypeError(f"expected a sketches DataFrame or a file path, got {type(sketches).__name__}")
+    require_columns(sketches.columns, SCHEMA, 'not a sketches table')
+    return as_strings(sketches)
 
 def _choices(df, col): return sorted(df[col].unique())
 
 # %% ../nbs/02a_explore.ipynb #ea30b2cd
-def stat_frame(df, # sketches: a DataFrame or a .csv/.parquet path
+def stat_frame(sketches, # a DataFrame or a .csv/.parquet path
                site:str, role:str, stat:str, # the tapped tensor and its stat
                run:str|None=None, # one `run_id`, or None for all runs
               )->pd.DataFrame:
     "The rows of one (site, role, stat), optionally of one run; a clear error naming the choices if none match."
-    df = _sketches(df)
+    df = _sketches(sketches)
     sel = {'run_id': run, 'site': site, 'role': role, 'stat': stat}
     for col, v in sel.items():
         if v is None: continue
@@ -63,13 +63,13 @@ def _line_ax(d, ax, x):
                  palette='viridis' if hue == 'step' else None, errorbar=None)
 
 # %% ../nbs/02a_explore.ipynb #3c3ab5f7
-def plot_stat(df, # sketches: a DataFrame or a .csv/.parquet path
+def plot_stat(sketches, # a DataFrame or a .csv/.parquet path
               site:str, role:str, stat:str, # the tapped tensor and its stat
               run:str|None=None, # one `run_id`, or None for all runs
               ax=None, # an axes to draw on; a new (6, 3) figure if None
              ):
     "Plot one (site, role, stat) the way its kind wants; returns the axes."
-    d = stat_frame(df, site, role, stat, run)
+    d = stat_frame(sketches, site, role, stat, run)
     if ax is None: _, ax = plt.subplots(figsize=(6, 3))
     kind = stat_kind(stat)
     if kind == 'hist': _hist_ax(d, ax)
@@ -83,9 +83,9 @@ def plot_stat(df, # sketches: a DataFrame or a .csv/.parquet path
 # %% ../nbs/02a_explore.ipynb #8d759ab9
 class Explorer:
     "Dropdowns for run, site, role and stat over one `plot_stat` figure (ipywidgets)."
-    def __init__(self, df): # sketches: a DataFrame or a .csv/.parquet path
+    def __init__(self, sketches): # a DataFrame or a .csv/.parquet path
         import ipywidgets as W
-        self.df = _sketches(df)
+        self.df = _sketches(sketches)
         self.out, self.figure = W.Output(), None
         dd = lambda d: W.Dropdown(description=d, layout=W.Layout(width='auto'))
         self.run, self.site, self.role, self.stat = dd('run'), dd('site'), dd('role'), dd('stat')
@@ -144,16 +144,16 @@ def _in_jupyter():
     ip = get_ipython()
     return ip is not None and 'IPKernelApp' in getattr(ip, 'config', {})
 
-def explore(df, # sketches: a DataFrame or a .csv/.parquet path
+def explore(sketches, # a DataFrame or a .csv/.parquet path
             interactive:bool|None=None, # None: widgets in Jupyter, a static plot elsewhere
            ):
-    "An `Explorer` of `df` in Jupyter; elsewhere the static `plot_stat` axes of its first (site, role, stat)."
+    "An `Explorer` of `sketches` in Jupyter; elsewhere the static `plot_stat` axes of its first (site, role, stat)."
     try: import ipywidgets  # noqa: F401
     except ImportError: ipywidgets = None
     if interactive is None: interactive = ipywidgets is not None and _in_jupyter()
     if interactive:
         if ipywidgets is None: raise ImportError("explore(interactive=True) needs ipywidgets: pip install ipywidgets")
-        return Explorer(df)
-    df = _sketches(df)
+        return Explorer(sketches)
+    df = _sketches(sketches)
     first = df.iloc[0]
     return plot_stat(df, str(first.site), str(first.role), str(first.stat))

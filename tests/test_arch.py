@@ -90,14 +90,17 @@ def _third_party(module):
 
 
 def test_import_has_no_global_side_effects():
-    "Importing every opscope module leaves the warnings filters as the third-party imports left them (a fresh interpreter)."
+    "Importing every opscope module leaves warnings filters, numpy error state, torch defaults and os.environ as the third-party imports left them (a fresh interpreter)."
     deps = sorted(set().union(*map(_third_party, MODULES)))
     code = ("import warnings, importlib\n"
             f"for m in {deps!r}: importlib.import_module(m)\n"
-            "before = list(warnings.filters)\n"
+            "import os, numpy as np, torch\n"
+            "state = lambda: (list(warnings.filters), np.geterr(), torch.get_default_dtype(), torch.get_num_threads(), dict(os.environ))\n"
+            "before = state()\n"
             f"for m in {MODULES!r}: importlib.import_module('opscope.' + m)\n"
-            "after = list(warnings.filters)\n"
-            "assert after == before, [f for f in after if f not in before]\n")
+            "after = state()\n"
+            "assert after[0] == before[0], [f for f in after[0] if f not in before[0]]\n"
+            "assert after[1:] == before[1:], 'numpy error state, torch defaults or the environment changed on import'\n")
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 
