@@ -109,10 +109,10 @@ def findings_from_tables(features, # `miner.tap_features`' table (None: no matmu
                         )->pd.DataFrame:
     "`miner.mine`'s findings from the pooled tables, through the miner's own rule functions."
     parts = [_m.rule_dead_channels(dead.assign(stat='chan_density')), _m._outlier_rows(share)]
-    parts += [r(infer) for r in _m.CHANNEL_RULES if r not in (_m.rule_dead_channels, _m.rule_outlier_channels)]
+    parts += [r(infer) for r in _m.rules('rows') if r not in (_m.rule_dead_channels, _m.rule_outlier_channels)]
     cs = None
     if features is not None:
         cs = _m._cross_table(*cross, seed)
-        parts = [r(features) for r in _m.TAP_RULES] + parts + [r(cs) for r in _m.CROSS_RULES]
+        parts = [r(features) for r in _m.rules('features')] + parts + [r(cs) for r in _m.rules('cross')]
     out = _m._collect(parts, cs, steps)
     return out if probs is None else _m._drop_masked(out, probs)
