@@ -52,6 +52,7 @@ def parse_guard(text:str, # e.g. 'lhs.density <= 0.25 and lhs.nan_count <= 0'
         out.append(Clause(role, stat, bool(ch), op, float(num)))
     return out
 
+# %% ../nbs/07_plan.ipynb #c177fd4d
 def format_guard(clauses:list)->str:
     "The text of parsed `clauses` (inverse of `parse_guard`)."
     return ' and '.join(f"{c.role}.{c.stat}{'[channels]' if c.channels else ''} {c.op} {c.value:g}" for c in clauses)
@@ -86,6 +87,7 @@ def sketch_values(sketches:pd.DataFrame, # tidy sketches of one run
         raise KeyError(f"site {site!r}: the sketches hold no {', '.join(sorted({c.stat for c in clauses}))} for it")
     return pd.DataFrame(out)
 
+# %% ../nbs/07_plan.ipynb #14d3ad20
 def live_values(x:torch.Tensor, # the live operand
                 clauses:list, role:str='lhs', channels:torch.Tensor=None)->dict:
     "The (role, stat) values the clauses on `role` read, computed on the live tensor `x` (one host sync)."
@@ -207,6 +209,7 @@ PLAN_COLUMNS = ['site', 'exploit', 'guard', 'guard_holds', 'guard_sigma', 'est_s
                 'steps_held', 'steps', 'exact', 'packed_bytes']
 NOT_WORTH_IT = 'not worth it on this machine'
 
+# %% ../nbs/07_plan.ipynb #8d4cbf0d
 def format_channels(idx)->str:
     "'0-3,7' for [0, 1, 2, 3, 7]."
     idx = sorted(int(i) for i in idx)
@@ -237,6 +240,7 @@ def _guard_eval(sketches, site, guard, channels):
     first = vals[(cl[0].role, cl[0].stat)]
     return int(held.sum()), len(held), float(first.std(ddof=0)), float(first.mean())
 
+# %% ../nbs/07_plan.ipynb #2093e2b7
 def _evidence(s, stat_taps, run, site, shape, weights):
     "The `SiteEvidence` of one site of run `run` (`s`: that run's sketches)."
     M, K, N = shape
@@ -284,6 +288,7 @@ def _plain(sketches):
         sketches = sketches.assign(dist=sketches.dist.fillna(''))  # the miner's groupby would drop those rows
     return sketches.astype({c: str for c in TEXT_COLUMNS if c in sketches})
 
+# %% ../nbs/07_plan.ipynb #883afca1
 def _site_rows(s, findings, stat_taps, run, site, weights, names, machine, seed):
     "The plan rows of one site: every exploit in `names` whose record finds evidence there."
     g, rows, shape, ev = findings[(findings.run_id == run) & (findings.site == site)], [], None, None
@@ -357,6 +362,7 @@ def choose(plans:pd.DataFrame, # from `plan`
     if not lossy: p = p[p.exact.astype(bool)]
     return p.sort_values('measured_speedup', ascending=False).drop_duplicates(['run_id', 'site']).sort_index()
 
+# %% ../nbs/07_plan.ipynb #687d6a38
 def _check_row(r, w):
     "The guard clauses and channels of plan row `r`, checked against its site's weight `w` (out × in) before anything is built."
     site = f"plan site {r.site!r}"
@@ -377,6 +383,7 @@ def _check_row(r, w):
             raise InputError(f"{site}: a low-rank rank must be an integer from 1 to {min(N, K) - 1} (the weight is {N}×{K}), not {r.value!r}")
     return ch
 
+# %% ../nbs/07_plan.ipynb #9d91256f
 def specialize(gm:fx.GraphModule, # from `inject.trace`; left untouched
                plans:pd.DataFrame, # rows of `plan` to apply, one per site (see `choose`)
               )->fx.GraphModule:
@@ -416,6 +423,7 @@ def _site_bound_ok(mod, x, yref, y):
     bound = 2 * K * torch.finfo(torch.float32).eps / 2 * (x2 @ mod.weight.abs().t()) + 1e-30
     return bool(((y - yref).abs().reshape(bound.shape) <= bound).all())
 
+# %% ../nbs/07_plan.ipynb #6baba780
 def check_specialized(gm:fx.GraphModule, sgm:fx.GraphModule, # the original and `specialize(gm, ...)`
                       batches, # iterable of input tensors (one step each)
                      )->pd.DataFrame:
