@@ -16,7 +16,7 @@ from .probe import model_tensors, probe, probe_report, save_tensors, sweep_ranks
 from .shapes import shapes_model, op_costs, roofline, shapes_report
 from .flow import zoo_graph, op_motifs, dataflow_motifs, load_graph
 from .scale import mine_duckdb, mine_dask, select_sketches
-from .plan import plan, format_plan, format_channels
+from .plan import plan, format_plan, format_channels, planned
 from .docs import docs_preview
 from .bench import bench_report, goal_table, save_report
 from .runners import load_factory, load_hf, read_prompts, record_hf
@@ -375,24 +375,35 @@ def opscope_docs_preview(out_dir:str, # folder for the HTML pages (created; page
         print(f"{len(made)} page(s) in {out}; open {out / 'index.html'}")
 
 # %% ../nbs/09_cli.ipynb #bd77f25b
+def _plan_exploits(exploits, planned):
+    "The exploit names of `--exploits` (None: all), each one `plan` has a kernel for; a `CliError` naming the first that is not."
+    if exploits is None: return None
+    names = [n.strip() for n in exploits.split(',') if n.strip()]
+    bad = [n for n in names if n not in planned] or ([] if names else [exploits])
+    if bad: raise CliError(f"--exploits: {bad[0]!r} is not an exploit with a kernel; choose from {', '.join(planned)}")
+    return names
+
 @call_parse
 def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / opscope-sweep
                  out:str=None, # also write the plan table here (.csv)
                  seed:int=0, # seed of the benchmark data drawn to match each sketch
+                 exploits:str=None, # plan only these (comma list; default: every registered exploit with a kernel)
                 ):
     "Plan specialized kernels for a sketches file: guard, its stability, estimated and measured speedup."
     with cli_errors('opscope-plan'):
         in_range('--seed', seed, 0, SEED_MAX)
+        names = _plan_exploits(exploits, planned())
         if out is not None: check_whole_out(out)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
-            df = read_sketches(inp)
+            sketches = read_sketches(inp)
         for w in caught: print(f"opscope-plan: warning: {w.message}", file=sys.stderr)
-        p = plan(df, seed=seed)
-        print(format_plan(p))
+        plans = plan(sketches, seed=seed, exploits=names)
+        print(format_plan(plans))
         if out is not None:
-            with atomic_write(out) as tmp: p.to_csv(tmp, index=False)
-            print(f"\n{len(p)} plan rows → {out}")
+            with atomic_write(out) as tmp: plans.to_csv(tmp, index=False)
+            print(f"\n{len(plans)} plan rows → {out}")
+
 
 # %% ../nbs/09_cli.ipynb #667a11d5
 INFER_MAX_STEPS = 256

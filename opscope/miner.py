@@ -8,28 +8,31 @@ import numpy as np
 import pandas as pd
 from .tables import InputError, MINE_COLS, require_columns, as_strings
 from .recorder import read_sketches
+from functools import partial
+from .exploits import (REGISTRY, Exploit, Rule, register, rules, guard_dead, guard_density, guard_crest,
+                              kernel_dead, kernel_sparse, kernel_int8, kernel_lowrank, kernel_prepack,
+                              cost_dead, cost_sparse, cost_int8, cost_lowrank, cost_prepack, cost_pack,
+                              evidence_dead, evidence_sparse, evidence_int8, evidence_lowrank, evidence_prepack, arg_dead, arg_rank)
+
 
 # %% auto #0
-__all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO',
-           'OUTLIER_PERSIST', 'SPIKY_KURTOSIS', 'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB',
-           'INT4_MIN_SQNR_DB', 'COHERENCE_MIN', 'CROSS_STATS', 'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P',
-           'COHERENCE_VN_MAX', 'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX',
-           'WINDOW_LIFT', 'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'INFER_EXPLOITS', 'NONFINITE_MAX', 'STEP_STATS',
-           'TAP_RULES', 'CHANNEL_RULES', 'CROSS_RULES', 'MASK_VETO', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING',
-           'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'derived_features',
-           'rule_sparse', 'rule_quant', 'rule_spiky', 'rule_tokens', 'rule_coherence', 'rule_deep_dump',
-           'rule_dead_channels', 'rule_outlier_channels', 'outlier_rows', 'usual_steps', 'step_matrix',
-           'relative_range', 'cross_step', 'cross_table', 'rule_stationary', 'rule_drift_coherence',
-           'rule_attention_sink', 'rule_kv_eviction', 'rule_windowed', 'rule_experts', 'infer_features', 'step_table',
-           'step_frame', 'drop_nonfinite_steps', 'rule_nonfinite', 'rule_constant', 'mine', 'drop_masked',
-           'collect_findings', 'confirm_low_rank']
+__all__ = ['KEYS', 'FINDINGS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO', 'OUTLIER_PERSIST',
+           'SPIKY_KURTOSIS', 'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB', 'INT4_MIN_SQNR_DB',
+           'COHERENCE_MIN', 'CROSS_STATS', 'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P', 'COHERENCE_VN_MAX',
+           'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX', 'WINDOW_LIFT',
+           'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'NONFINITE_MAX', 'STEP_STATS', 'INT8_MAX_CREST', 'EXPLOITS',
+           'INFER_EXPLOITS', 'MASK_VETO', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING', 'RANK_COLUMNS', 'crest_nz',
+           'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'derived_features', 'rule_sparse', 'rule_quant',
+           'rule_spiky', 'rule_tokens', 'rule_coherence', 'rule_deep_dump', 'rule_dead_channels',
+           'rule_outlier_channels', 'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary',
+           'cross_step', 'cross_table', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink',
+           'rule_kv_eviction', 'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'step_frame',
+           'drop_nonfinite_steps', 'rule_nonfinite', 'rule_constant', 'mine', 'drop_masked', 'collect_findings',
+           'confirm_low_rank']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
 FINDINGS = ['run_id', 'dist', 'site', 'role', 'stat', 'idx', 'value', 'exploit', 'detail']
-EXPLOITS = ('nonfinite', 'constant', 'sparse-gemm', 'dead-channels', 'channel-outliers', 'spiky', 'token-sparsity', 'temporal-coherence',
-            'attention-sink', 'kv-eviction', 'windowed-attention', 'cold-experts', 'hot-experts',
-            'deep-dump', 'low-rank', 'stationary', 'int8', 'int4')  # bad data first, then structure, quantization headroom last
 
 # %% ../nbs/03_miner.ipynb #9c1aec79
 def _scalar_features(df):
@@ -229,6 +232,11 @@ def relative_range(rng_:pd.DataFrame, # `min` and `max` columns of a statistic a
     scale = rng_[['min', 'max']].abs().max(axis=1)
     return (rng_['max'] - rng_['min']) / scale.where(scale > 0, 1.)
 
+def stationary(rng_:pd.DataFrame, # `min` and `max` columns of a statistic across steps
+              )->pd.Series:
+    "Whether each statistic is *stationary*: its `relative_range` across steps is at most `STATIONARY_RTOL` (the one definition; NaN is not)."
+    return relative_range(rng_) <= STATIONARY_RTOL
+
 def cross_step(df:pd.DataFrame, # tidy sketches
                seed:int=0, # seeds the step shuffles
               )->pd.DataFrame:
@@ -238,8 +246,7 @@ def cross_step(df:pd.DataFrame, # tidy sketches
     usual = usual_steps(df)
     x = df[df.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
     rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max'])
-    rel = relative_range(rng_)
-    return cross_table((rel <= STATIONARY_RTOL).groupby(level=KEYS, observed=True).all(),
+    return cross_table(stationary(rng_).groupby(level=KEYS, observed=True).all(),
                         usual.groupby(KEYS, observed=True).size(), step_matrix(df, 'chan_absmax', usual), seed)
 
 def cross_table(stationary, steps, w, seed=0):
@@ -404,7 +411,6 @@ WINDOW_KEEP_MAX = 0.25  # ... while reaching at most this share of what even att
 WINDOW_LIFT = 2.0       # ... and holding at least this many times the mass even attention puts in it
 COLD_LOAD_RATIO = 0.2   # an expert routed at most this × the uniform share is cold
 HOT_LOAD_RATIO = 2.0    # ... at least this × the uniform share is hot
-INFER_EXPLOITS = ('attention-sink', 'kv-eviction', 'windowed-attention', 'cold-experts', 'hot-experts')
 
 # %% ../nbs/03_miner.ipynb #76911d41
 NONFINITE_MAX = 0    # a (tap, step) with more NaN + Inf values than this is not read for value structure
@@ -489,12 +495,45 @@ def _drop_explained(out):
     explained = set(tap[out.exploit.isin(['spiky', 'channel-outliers'])])
     return out[~((out.exploit == 'deep-dump') & tap.isin(explained))]
 
-# %% ../nbs/03_miner.ipynb #209e4dd2
-TAP_RULES = (rule_sparse, rule_quant, rule_spiky, rule_tokens, rule_coherence, rule_deep_dump)
-CHANNEL_RULES = (rule_dead_channels, rule_outlier_channels,  # rules reading the rows (channels, keys, experts)
-                 rule_attention_sink, rule_kv_eviction, rule_windowed, rule_experts)
-CROSS_RULES = (rule_stationary, rule_drift_coherence)
+# %% ../nbs/03_miner.ipynb #d64c4975
+register(Exploit('nonfinite', (Rule('steps', rule_nonfinite),), 'no kernel: NaN/Inf steps are kept out of the value rules'))
+register(Exploit('constant', (Rule('steps', rule_constant),), 'fold it: the result is known'))
+register(Exploit('sparse-gemm', (Rule('features', rule_sparse),), 'CSR lhs: skip the zeros', evidence=evidence_sparse,
+                 guard=partial(guard_density, cap=SPARSE_DENSITY_MAX), guard_stat='density',
+                 kernel=kernel_sparse, cost=cost_sparse, plan_order=1))
+register(Exploit('dead-channels', (Rule('rows', rule_dead_channels),), 'drop the always-zero K-columns (exact slice)',
+                 evidence=evidence_dead, guard=guard_dead, guard_stat='chan_absmax', kernel=kernel_dead, cost=cost_dead,
+                 kernel_arg=arg_dead, plan_order=0))
+register(Exploit('channel-outliers', (Rule('rows', rule_outlier_channels),), 'outlier split / mixed precision'))
+register(Exploit('spiky', (Rule('features', rule_spiky),), 'clip / outlier-aware scales'))
+register(Exploit('token-sparsity', (Rule('features', rule_tokens),), 'skip low-energy rows'))
+register(Exploit('temporal-coherence', (Rule('features', rule_coherence), Rule('cross', rule_drift_coherence)),
+                 'delta / reuse across rows or calls'))
 
+# %% ../nbs/03_miner.ipynb #fa307e1e
+register(Exploit('attention-sink', (Rule('rows', rule_attention_sink),), 'keep the sink keys resident', roles=('attn',)))
+register(Exploit('kv-eviction', (Rule('rows', rule_kv_eviction),), 'heavy-hitter KV cache: evict the rest', roles=('attn',)))
+register(Exploit('windowed-attention', (Rule('rows', rule_windowed),), 'sliding-window attention', roles=('attn',)))
+register(Exploit('cold-experts', (Rule('rows', rule_experts),), 'drop or offload the expert', roles=('gate',)))
+register(Exploit('hot-experts', (Rule('rows', rule_experts),), 'keep the expert resident, prefetch', roles=('gate',)))
+register(Exploit('deep-dump', (Rule('features', rule_deep_dump),), 'dump the tap and probe its rank'))
+
+# %% ../nbs/03_miner.ipynb #5ba8a32e
+INT8_MAX_CREST = crest_at_sqnr(INT8_MIN_SQNR_DB, 8)   # est. SQNR falls to INT8_MIN_SQNR_DB here: the int8 guard's cap
+register(Exploit('low-rank', (), 'rank-r factors of the weight (found by the probe: `confirm_low_rank`)',
+                 evidence=evidence_lowrank, kernel=kernel_lowrank, cost=cost_lowrank, kernel_arg=arg_rank, plan_order=3))
+register(Exploit('stationary', (Rule('cross', rule_stationary),), 'precompute / prepack what depends on it only'))
+register(Exploit('int8', (Rule('features', rule_quant),), 'int8 GEMM: per-tensor lhs × per-channel weight',
+                 evidence=evidence_int8, guard=partial(guard_crest, cap=INT8_MAX_CREST), guard_stat='crest',
+                 kernel=kernel_int8, cost=cost_int8, plan_order=2))
+register(Exploit('int4', (Rule('features', rule_quant),), 'int4 per-tensor'))
+register(Exploit('prepack', (), 'store wᵀ contiguous once, not per call (a stationary weight)', finds=False,
+                 evidence=evidence_prepack, kernel=kernel_prepack, cost=cost_prepack, dense_extra=cost_pack, plan_order=4))
+
+EXPLOITS = tuple(n for n, e in REGISTRY.items() if e.finds)   # the findings' vocabulary, in reading order
+INFER_EXPLOITS = tuple(n for n, e in REGISTRY.items() if set(e.roles) <= {'attn', 'gate'})   # softmax / top-k findings
+
+# %% ../nbs/03_miner.ipynb #209e4dd2
 def mine(sketches:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or the path of a sketches file or Parquet dataset
          probe:pd.DataFrame=None, # optional ranks of dumped taps (`probe.rank_table`): confirms or retracts `deep-dump` pointers
         )->pd.DataFrame:
@@ -510,12 +549,12 @@ def _mine_pandas(df):
     _check_ranks(df)
     st = step_table(df)
     df = drop_nonfinite_steps(df, st)             # NaN/Inf steps: only `nonfinite` reads them
-    base = df[~df.role.isin(['attn', 'gate'])]    # softmax / top-k taps have their own rules (in CHANNEL_RULES)
-    parts = [r(df) for r in CHANNEL_RULES]
+    base = df[~df.role.isin(['attn', 'gate'])]    # softmax / top-k taps have their own rules (reading 'rows')
+    parts = [r(df) for r in rules('rows')]
     cs = None
     if len(base):
         f, cs = tap_features(base), cross_step(base)
-        parts = [r(f) for r in TAP_RULES] + parts + [r(cs) for r in CROSS_RULES]
+        parts = [r(f) for r in rules('features')] + parts + [r(cs) for r in rules('cross')]
     return drop_masked(collect_findings(parts, cs, st), df)
 
 MASK_VETO = ('sparse-gemm', 'dead-channels', 'channel-outliers')   # what masked probabilities would fake
@@ -547,7 +586,7 @@ def _check_ranks(df):
 
 def collect_findings(parts, cs, st=None):
     "The findings table from the rules' outputs (every engine): bad-data findings added (`st`: `step_table`), vetoed and explained claims dropped, sorted."
-    if st is not None: parts = list(parts) + [rule_nonfinite(st), rule_constant(st)]
+    if st is not None: parts = list(parts) + [r(st) for r in rules('steps')]
     parts = [p for p in parts if len(p)]
     if not parts: return pd.DataFrame(columns=FINDINGS)
     out = pd.concat(parts, ignore_index=True)
@@ -557,8 +596,8 @@ def collect_findings(parts, cs, st=None):
     return out
 
 def _sorted(out):
-    "Findings in their reading order: by tap, then exploit as listed in `EXPLOITS`, then idx."
-    order = {e: i for i, e in enumerate(EXPLOITS)}
+    "Findings in their reading order: by tap, then exploit in `REGISTRY` order, then idx."
+    order = {e: i for i, e in enumerate(REGISTRY)}
     out = out.assign(_o=out.exploit.map(order)).sort_values(['run_id', 'site', 'role', '_o', 'idx'], kind='stable')
     return out.drop(columns='_o').reset_index(drop=True)[FINDINGS]
 

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 from . import miner as _m
 from .tables import InputError
+from .exploits import rules
 
 # %% auto #0
 __all__ = ['G', 'INFER_ROLES', 'SCALARS', 'finite_steps', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios',
@@ -110,10 +111,11 @@ def findings_from_tables(features, # `miner.tap_features`' table (None: no matmu
                         )->pd.DataFrame:
     "`miner.mine`'s findings from the pooled tables, through the miner's own rule functions."
     parts = [_m.rule_dead_channels(dead.assign(stat='chan_density')), _m.outlier_rows(share)]
-    parts += [r(infer) for r in _m.CHANNEL_RULES if r not in (_m.rule_dead_channels, _m.rule_outlier_channels)]
+    parts += [r(infer) for r in rules('rows') if r not in (_m.rule_dead_channels, _m.rule_outlier_channels)]
     cs = None
     if features is not None:
         cs = _m.cross_table(*cross, seed)
-        parts = [r(features) for r in _m.TAP_RULES] + parts + [r(cs) for r in _m.CROSS_RULES]
+        parts = [r(features) for r in rules('features')] + parts + [r(cs) for r in rules('cross')]
     out = _m.collect_findings(parts, cs, steps)
     return out if probs is None else _m.drop_masked(out, probs)
+

@@ -5,29 +5,31 @@
 # %% ../nbs/07_plan.ipynb #8aad5bed
 from __future__ import annotations
 import copy, math, re
+import operator as _op
 from collections import namedtuple
+from functools import lru_cache
 import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from .exploits import REGISTRY, Kernel, SiteEvidence, FINITE_GUARD, DENSITY_MARGIN, GUARD_GRID, CREST_MARGIN, planned
+from .miner import crest_nz, mine, stationary, CROSS_STATS, INT8_MAX_CREST
+from .tables import InputError, MissingError
 from .inject import matmul_sites
-from .miner import mine, crest_nz, crest_at_sqnr
 from .probe import rank_at_energy, dump_sites
 from .shapes import op_costs, roofline, measure_machine
-from .tables import InputError, MissingError
+
 
 # %% auto #0
-__all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'DENSITY_MARGIN', 'GUARD_GRID', 'CREST_MARGIN',
-           'INT8_MAX_CREST', 'FINITE_GUARD', 'GUARD_STAT', 'Kernel', 'KERNELS', 'INT8_MAC_RATE', 'CSR_BYTES_PER_NNZ',
-           'BENCH_BLOCK_S', 'BENCH_ROUNDS', 'PLAN_COLUMNS', 'NOT_WORTH_IT', 'LOSSY_REL_TOL', 'parse_guard',
-           'format_guard', 'guard_holds', 'sketch_values', 'live_values', 'synthesize_guard', 'make_kernel',
-           'est_speedup', 'ab_bench', 'draw_like', 'stationary_taps', 'format_channels', 'parse_channels', 'plan',
-           'GuardedLinear', 'choose', 'specialize', 'check_specialized', 'format_plan']
+__all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'GUARD_STAT', 'BENCH_BLOCK_S', 'BENCH_ROUNDS', 'PLAN_COLUMNS',
+           'NOT_WORTH_IT', 'TEXT_COLUMNS', 'LOSSY_REL_TOL', 'parse_guard', 'format_guard', 'guard_holds',
+           'sketch_values', 'live_values', 'synthesize_guard', 'make_kernel', 'est_speedup', 'ab_bench', 'draw_like',
+           'stationary_taps', 'format_channels', 'parse_channels', 'plan', 'GuardedLinear', 'choose', 'specialize',
+           'check_specialized', 'format_plan']
 
 # %% ../nbs/07_plan.ipynb #e5875b62
-import operator as _op
 GUARD_STATS = ('density', 'absmax', 'rms', 'nan_count', 'inf_count', 'crest', 'chan_absmax', 'chan_density')
 CHANNEL_STATS = ('chan_absmax', 'chan_density')
 GUARD_OPS = {'<=': _op.le, '>=': _op.ge, '<': _op.lt, '>': _op.gt, '==': _op.eq}
@@ -51,6 +53,7 @@ def parse_guard(text:str, # e.g. 'lhs.density <= 0.25 and lhs.nan_count <= 0'
         out.append(Clause(role, stat, bool(ch), op, float(num)))
     return out
 
+# %% ../nbs/07_plan.ipynb #c177fd4d
 def format_guard(clauses:list)->str:
     "The text of parsed `clauses` (inverse of `parse_guard`)."
     return ' and '.join(f"{c.role}.{c.stat}{'[channels]' if c.channels else ''} {c.op} {c.value:g}" for c in clauses)
@@ -64,20 +67,20 @@ def guard_holds(clauses:list, # from `parse_guard`
 # %% ../nbs/07_plan.ipynb #c9b85b33
 def _crest(absmax, rms, density): return crest_nz(absmax, rms, density) if rms > 0 else math.inf
 
-def sketch_values(sk:pd.DataFrame, # tidy sketches of one run
+def sketch_values(sketches:pd.DataFrame, # tidy sketches of one run
                   site:str, # the site
                   clauses:list, # from `parse_guard`
                   channels=(), # the channel set `[channels]` refers to
                  )->pd.DataFrame:
     "One row per recorded step, one column per (role, stat) the clauses read."
-    s = sk[sk.site.astype(str) == site]
+    s = sketches[sketches.site == site]
     out = {}
     for c in clauses:
-        r = s[s.role.astype(str) == c.role]
+        r = s[s.role == c.role]
         if c.stat in CHANNEL_STATS:
-            v = r[(r.stat.astype(str) == c.stat) & r.idx.isin(list(channels))].groupby('step').value.max()
+            v = r[(r.stat == c.stat) & r.idx.isin(list(channels))].groupby('step').value.max()
         else:
-            w = r[r.stat.astype(str).isin(['density', 'absmax', 'rms', 'nan_count', 'inf_count'])].pivot_table(
+            w = r[r.stat.isin(['density', 'absmax', 'rms', 'nan_count', 'inf_count'])].pivot_table(
                 index='step', columns='stat', values='value', aggfunc='first', observed=True)
             v = crest_nz(w.absmax, w.rms.where(w.rms > 0), w.density) if c.stat == 'crest' else w[c.stat]
         out[(c.role, c.stat)] = v
@@ -85,6 +88,8 @@ def sketch_values(sk:pd.DataFrame, # tidy sketches of one run
         raise MissingError(f"site {site!r}: the sketches hold no {', '.join(sorted({c.stat for c in clauses}))} for it")
     return pd.DataFrame(out)
 
+
+# %% ../nbs/07_plan.ipynb #14d3ad20
 def live_values(x:torch.Tensor, # the live operand
                 clauses:list, role:str='lhs', channels:torch.Tensor=None)->dict:
     "The (role, stat) values the clauses on `role` read, computed on the live tensor `x` (one host sync)."
@@ -108,128 +113,44 @@ def live_values(x:torch.Tensor, # the live operand
     return dict(zip(keys, got))
 
 # %% ../nbs/07_plan.ipynb #0156f0ef
-from .miner import SPARSE_DENSITY_MAX, INT8_MIN_SQNR_DB
-DENSITY_MARGIN = 0.05   # density headroom above the largest recorded step
-GUARD_GRID = 0.05       # density thresholds are rounded up to this grid
-CREST_MARGIN = 1.25     # crest headroom (×) above the largest recorded step
-INT8_MAX_CREST = crest_at_sqnr(INT8_MIN_SQNR_DB, 8)   # the miner's est. SQNR = INT8_MIN_SQNR_DB here
-
-FINITE_GUARD = 'lhs.nan_count <= 0 and lhs.inf_count <= 0'   # every guard ends in this: no exploit on NaN/Inf data
-
-def _up(v, grid): return math.ceil(round(v / grid, 9)) * grid
-
-def synthesize_guard(exploit:str, # 'dead-channels', 'sparse-gemm' or 'int8'
+def synthesize_guard(exploit:str, # a registered exploit with a guard ('dead-channels', 'sparse-gemm', 'int8', ...)
                      per_step:pd.Series, # the guarded lhs statistic per recorded step
                     )->str:
-    "The guard text for `exploit`, from the recorded values of its statistic with a margin, and `FINITE_GUARD`."
-    hi = float(per_step.max())
-    if exploit == 'dead-channels': main = 'lhs.chan_absmax[channels] <= 0'
-    elif exploit == 'sparse-gemm': main = f'lhs.density <= {min(_up(hi + DENSITY_MARGIN, GUARD_GRID), SPARSE_DENSITY_MAX):.2f}'
-    elif exploit == 'int8': main = f'lhs.crest <= {min(_up(hi * CREST_MARGIN, 0.1), math.floor(INT8_MAX_CREST * 10) / 10):.1f}'
-    else: raise ValueError(f"no guard rule for exploit {exploit!r}")
-    return f'{main} and {FINITE_GUARD}'
+    "The guard text for `exploit`: its record's clause from the recorded values of its statistic, then `FINITE_GUARD`."
+    e = REGISTRY.get(exploit)
+    if e is None or e.guard is None: raise InputError(f"no guard rule for exploit {exploit!r}")
+    return f'{e.guard(per_step)} and {FINITE_GUARD}'
 
-GUARD_STAT = {'dead-channels': 'chan_absmax', 'sparse-gemm': 'density', 'int8': 'crest'}
+GUARD_STAT = {n: e.guard_stat for n, e in REGISTRY.items() if e.guard is not None}   # the built-in guarded exploits (a view of REGISTRY)
 
 # %% ../nbs/07_plan.ipynb #9a8cd0f7
 import warnings
-Kernel = namedtuple('Kernel', 'fn packed_bytes exact')
-
-def _kernel_dead(w, b, keep):
-    wk = w.index_select(1, keep).contiguous()
-    return Kernel(lambda x: F.linear(x.index_select(1, keep), wk, b), wk.numel() * wk.element_size(), True)
-
-def _csr(x):
-    "`x` in CSR layout, without torch's beta warning (the CSR kernel is used on purpose; no global filter)."
-    with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='Sparse CSR tensor support is in beta')
-        return x.to_sparse_csr()
-
-def _kernel_sparse(w, b, keep):
-    wt = w.t().contiguous()
-    bb = b if b is not None else w.new_zeros(w.shape[0])
-    return Kernel(lambda x: torch.sparse.addmm(bb, _csr(x), wt), wt.numel() * wt.element_size(), False)
-
-def _kernel_int8(w, b, keep):
-    sw = (w.abs().amax(1) / 127).clamp_min(1e-30)                      # one scale per output channel
-    wq = (w / sw[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
-    def fn(x):
-        s = (x.abs().amax() / 127).clamp_min(1e-30)
-        xq = (x / s).round_().clamp_(-127, 127).to(torch.int8)
-        y = torch._int_mm(xq, wq).float().mul_(s * sw)
-        return y.add_(b) if b is not None else y
-    return Kernel(fn, wq.numel() + sw.numel() * 4, False)
-
-def _kernel_lowrank(w, b, rank):
-    U, S, Vh = torch.linalg.svd(w.float(), full_matrices=False)       # w ≈ (U S)[:, :r] Vh[:r]
-    A, B = (Vh[:rank].t() ).contiguous(), (U[:, :rank] * S[:rank]).t().contiguous()   # x @ A @ B ≈ x @ wᵀ
-    def fn(x):
-        y = (x @ A) @ B
-        return y.add_(b) if b is not None else y
-    return Kernel(fn, (A.numel() + B.numel()) * 4, False)
-
-def _kernel_prepack(w, b, keep):
-    wt = w.t().contiguous()
-    return Kernel(lambda x: torch.addmm(b, x, wt) if b is not None else x @ wt, wt.numel() * wt.element_size(), True)
-
-KERNELS = {'dead-channels': _kernel_dead, 'sparse-gemm': _kernel_sparse, 'int8': _kernel_int8,
-           'low-rank': _kernel_lowrank, 'prepack': _kernel_prepack}
-
-def make_kernel(exploit:str, # a key of `KERNELS`
+def make_kernel(exploit:str, # a registered exploit with a kernel
                 w:torch.Tensor, # the weight, N × K
                 b:torch.Tensor=None, # the bias (N,) or None
-                arg=None, # dead-channels: the kept channels (LongTensor); low-rank: the rank
+                arg=None, # dead-channels: the kept channels; low-rank: the rank
                )->Kernel:
-    "The specialized kernel for `exploit` with its weight-side work done, its packed size and whether it is exact."
-    if exploit not in KERNELS: raise InputError(f"no kernel for exploit {exploit!r}; opscope has {', '.join(KERNELS)}")
-    return KERNELS[exploit](w, b, arg)
+    "The specialized kernel of `exploit`'s record, with its weight-side work done, its packed size and whether it is exact."
+    e = REGISTRY.get(exploit)
+    if e is None or e.kernel is None: raise InputError(f"no kernel for exploit {exploit!r}; opscope has {', '.join(planned())}")
+    return e.kernel(w, b, arg)
+
 
 # %% ../nbs/07_plan.ipynb #8fa71882
-INT8_MAC_RATE = 4.0
-CSR_BYTES_PER_NNZ = 12
-
-def _rows(*specs):
-    df = pd.DataFrame([dict(op=op, kind=kind, batch=1, M=M, K=K, N=N, macs=macs, flops=flops, bytes=nb)
-                       for op, kind, M, K, N, macs, flops, nb in specs])
-    return df.assign(intensity=df.flops / df.bytes.where(df.bytes > 0))
-
-from functools import lru_cache
 @lru_cache(maxsize=256)
-def _dense_costs(M, K, N):
-    lin = nn.Linear(K, N, device='meta')
-    return op_costs(lin, torch.empty(M, K, device='meta'))
-
-def _special_costs(exploit, M, K, N, density=1., kept=None, rank=None):
-    f = 4
-    if exploit == 'dead-channels':
-        k = kept
-        return _rows(('index_select', 'memory', 0, 0, 0, 0, 0, f * 2 * M * k),
-                     ('addmm', 'matmul', M, k, N, M * k * N, 2 * M * k * N, f * (M * k + k * N + 2 * M * N + N)))
-    if exploit == 'sparse-gemm':
-        nnz = density * M * K
-        return _rows(('to_sparse_csr', 'memory', 0, 0, 0, 0, M * K, f * M * K + CSR_BYTES_PER_NNZ * nnz),
-                     ('sparse_addmm', 'matmul', M, K, N, nnz * N, 2 * nnz * N, CSR_BYTES_PER_NNZ * nnz + f * (K * N + 2 * M * N + N)))
-    if exploit == 'int8':
-        return _rows(('quantize', 'elementwise', 0, 0, 0, 0, 3 * M * K, f * M * K + M * K),
-                     ('_int_mm', 'matmul', M, K, N, M * K * N, 2 * M * K * N / INT8_MAC_RATE, M * K + K * N + f * M * N),
-                     ('dequantize', 'elementwise', 0, 0, 0, 0, 2 * M * N, 2 * f * M * N + f * N))
-    if exploit == 'low-rank':
-        r = rank
-        return _rows(('mm', 'matmul', M, K, r, M * K * r, 2 * M * K * r, f * (M * K + K * r + M * r)),
-                     ('mm', 'matmul', M, r, N, M * r * N, 2 * M * r * N, f * (M * r + r * N + M * N)))
-    if exploit == 'prepack':  # the same GEMM, minus the per-call packing of the transposed weight
-        return _rows(('addmm', 'matmul', M, K, N, M * K * N, 2 * M * K * N, f * (M * K + K * N + 2 * M * N + N)))
-    raise ValueError(f"no cost rule for {exploit!r}")
+def _dense_costs(M, K, N): return op_costs(nn.Linear(K, N, device='meta'), torch.empty(M, K, device='meta'))
 
 def est_speedup(exploit:str, M:int, K:int, N:int, # the site's shape
                 machine:dict, # `shapes.measure_machine()`
-                **kw, # density (sparse-gemm), kept (dead-channels), rank (low-rank)
+                **kw, # the record's cost keywords: density (sparse-gemm), kept (dead-channels), rank (low-rank)
                )->float:
-    "Roofline time of the dense op over that of the specialized kernel, from `opscope.shapes`."
+    "Roofline time of the dense op over that of `exploit`'s specialized kernel (its record's cost rows), from `opscope.shapes`."
+    e = REGISTRY.get(exploit)
+    if e is None or e.cost is None: raise InputError(f"no cost rule for {exploit!r}")
     t = lambda c: roofline(c, machine['peak_flops'], machine['bandwidth']).time_s.sum()
     dense = _dense_costs(M, K, N)
-    if exploit == 'prepack': dense = pd.concat([dense, _rows(('pack', 'memory', 0, 0, 0, 0, 0, 2 * 4 * K * N))])
-    return float(t(dense) / t(_special_costs(exploit, M, K, N, **kw)))
+    if e.dense_extra is not None: dense = pd.concat([dense, e.dense_extra(M, K, N)])
+    return float(t(dense) / t(e.cost(M, K, N, **kw)))
 
 # %% ../nbs/07_plan.ipynb #d637ef17
 BENCH_BLOCK_S = 0.002   # each timed block runs the function this long (number of calls chosen to fit)
@@ -254,36 +175,34 @@ def ab_bench(dense, special, x:torch.Tensor, # two functions of `x`, and the inp
     return 1e3 * float(np.median(d)), 1e3 * float(np.median(s))
 
 # %% ../nbs/07_plan.ipynb #a7cf8f89
-def _tap(sk, site, role):
-    return sk[(sk.site.astype(str) == site) & (sk.role.astype(str) == role)]
+def _tap(sketches, site, role): return sketches[(sketches.site == site) & (sketches.role == role)]
 
 def _mean_vec(t, stat, n):
-    v = t[t.stat.astype(str) == stat].groupby('idx').value.mean()
+    v = t[t.stat == stat].groupby('idx').value.mean()
     return torch.tensor(v.reindex(range(n)).fillna(0).to_numpy(), dtype=torch.float32)
 
-def draw_like(sk:pd.DataFrame, site:str, M:int, K:int, N:int, seed:int=0)->tuple:
+def draw_like(sketches:pd.DataFrame, site:str, M:int, K:int, N:int, seed:int=0)->tuple:
     "(x, w, b): an M × K lhs and an N × K weight drawn to match the site's recorded sketches."
     g = torch.Generator().manual_seed(seed)
-    lhs, rhs = _tap(sk, site, 'lhs'), _tap(sk, site, 'rhs')
+    lhs, rhs = _tap(sketches, site, 'lhs'), _tap(sketches, site, 'rhs')
     dens, amax = _mean_vec(lhs, 'chan_density', K), _mean_vec(lhs, 'chan_absmax', K)
-    nonneg = lhs[lhs.stat.astype(str) == 'min'].value.min() >= 0
+    nonneg = lhs[lhs.stat == 'min'].value.min() >= 0
     u = torch.rand(M, K, generator=g)
     mag = torch.rand(M, K, generator=g) * amax
     x = torch.where(u < dens, mag if nonneg else mag * torch.sign(torch.rand(M, K, generator=g) - 0.5), torch.zeros(()))
-    rms = rhs[rhs.stat.astype(str) == 'rms'].value.mean() if len(rhs) else 1.
+    rms = rhs[rhs.stat == 'rms'].value.mean() if len(rhs) else 1.
     w = torch.randn(N, K, generator=g) * float(rms if np.isfinite(rms) else 1.)
     return x, w, torch.zeros(N)
 
 # %% ../nbs/07_plan.ipynb #6a49be7f
-def stationary_taps(sk:pd.DataFrame)->pd.DataFrame:
-    "(run_id, site, role) of taps whose scalar and per-channel stats are identical across ≥ 2 steps."
+def stationary_taps(sketches:pd.DataFrame)->pd.DataFrame:
+    "(run_id, site, role) of taps whose scalar and per-channel stats are `miner.stationary` across ≥ 2 steps."
     keys = ['run_id', 'site', 'role']
-    s = sk[sk.stat.astype(str).isin(['numel', 'min', 'max', 'mean', 'std', 'absmax', 'rms', 'density',
-                                     'chan_absmax', 'chan_density'])]
-    s = s.assign(**{k: s[k].astype(str) for k in keys + ['stat']}, v=s.value.fillna(-np.inf))
-    per = s.groupby(keys + ['stat', 'idx']).v.agg(['nunique', 'size'])
-    per = per.assign(same=per['nunique'] == 1, steps=per['size']).groupby(level=keys).agg(same=('same', 'all'), steps=('steps', 'min'))
-    return per[per.same & (per.steps >= 2)].reset_index()[keys]
+    s = sketches[sketches.stat.isin(CROSS_STATS + ('numel',))]
+    per = s.groupby(keys + ['stat', 'idx'], observed=True).value.agg(['min', 'max', 'size'])
+    per = per.assign(same=stationary(per)).groupby(level=keys, observed=True).agg(same=('same', 'all'), steps=('size', 'min'))
+    out = per[per.same & (per.steps >= 2)].reset_index()[keys].astype(str)
+    return out.sort_values(keys, ignore_index=True)
 
 # %% ../nbs/07_plan.ipynb #d9aada88
 PLAN_COLUMNS = ['site', 'exploit', 'guard', 'guard_holds', 'guard_sigma', 'est_speedup', 'measured_speedup',
@@ -291,6 +210,7 @@ PLAN_COLUMNS = ['site', 'exploit', 'guard', 'guard_holds', 'guard_sigma', 'est_s
                 'steps_held', 'steps', 'exact', 'packed_bytes']
 NOT_WORTH_IT = 'not worth it on this machine'
 
+# %% ../nbs/07_plan.ipynb #8d4cbf0d
 def format_channels(idx)->str:
     "'0-3,7' for [0, 1, 2, 3, 7]."
     idx = sorted(int(i) for i in idx)
@@ -310,102 +230,101 @@ def parse_channels(text)->list:
     return out
 
 # %% ../nbs/07_plan.ipynb #fb1a1250
-def _site_shape(sk, run, site):
-    t = sk[(sk.run_id.astype(str) == run) & (sk.site.astype(str) == site)]
+def _site_shape(s, site):
+    t = s[s.site == site]
     return int(t.M.max()), int(t.K.max()), int(t.N.max())
 
-def _guard_eval(sk, site, guard, channels):
+def _guard_eval(sketches, site, guard, channels):
     cl = parse_guard(guard)
-    vals = sketch_values(sk, site, cl, channels)
+    vals = sketch_values(sketches, site, cl, channels)
     held = vals.apply(lambda r: guard_holds(cl, dict(r)), axis=1)
     first = vals[(cl[0].role, cl[0].stat)]
     return int(held.sum()), len(held), float(first.std(ddof=0)), float(first.mean())
 
-def _candidates(f, stat_taps, run, site, weights):
-    "(exploit, role, finding rows) for the exploits of one site that opscope has a kernel for."
-    g = f[(f.run_id == run) & (f.site == site)]
-    lhs = g[g.role == 'lhs']
-    out = []
-    if (lhs.exploit == 'dead-channels').any(): out.append(('dead-channels', lhs[lhs.exploit == 'dead-channels']))
-    if (lhs.exploit == 'sparse-gemm').any(): out.append(('sparse-gemm', lhs[lhs.exploit == 'sparse-gemm']))
-    if {'lhs', 'rhs'} <= set(g[g.exploit == 'int8'].role): out.append(('int8', lhs[lhs.exploit == 'int8']))
-    if weights is not None and site in weights: out.append(('low-rank', None))
-    if ((stat_taps.run_id == run) & (stat_taps.site == site) & (stat_taps.role == 'rhs')).any(): out.append(('prepack', None))
-    return out
 
-def _plan_row(sk, run, site, exploit, frows, machine, weights, seed):
-    M, K, N = _site_shape(sk, run, site)
-    s = sk[sk.run_id.astype(str) == run]
+# %% ../nbs/07_plan.ipynb #2093e2b7
+def _evidence(s, stat_taps, run, site, shape, weights):
+    "The `SiteEvidence` of one site of run `run` (`s`: that run's sketches)."
+    M, K, N = shape
+    w = weights.get(site) if weights else None
+    st = set(stat_taps.role[(stat_taps.run_id == run) & (stat_taps.site == site)])
+    return SiteEvidence(site, K, N, st, w, rank_at_energy(w.detach().float().reshape(N, K), 0.99) if w is not None else None, s)
+
+# %% ../nbs/07_plan.ipynb #6ab1695c
+def _guard_fields(s, site, e, channels):
+    "Guard, steps held, σ and share held of exploit record `e`'s synthesized guard over the recorded steps."
+    clause = f"lhs.{e.guard_stat}{'[channels]' if e.guard_stat in CHANNEL_STATS else ''} <= 0"
+    guard = synthesize_guard(e.name, sketch_values(s, site, parse_guard(clause), channels).iloc[:, 0])
+    held, steps, sigma, _ = _guard_eval(s, site, guard, channels)
+    return dict(guard=guard, steps_held=held, steps=steps, guard_sigma=sigma, guard_holds=held / steps)
+
+def _unguarded_fields(s, site, fields):
+    "A weight-only exploit holds on every recorded step; its σ is what its evidence reports (NaN if none)."
+    n = s[s.site == site].step.nunique()
+    return dict(guard='', steps_held=n, steps=n, guard_holds=1.0, guard_sigma=fields.get('sigma', np.nan))
+
+# %% ../nbs/07_plan.ipynb #a86a2a16
+def _plan_row(s, run, site, name, fields, shape, machine, seed):
+    "One plan row: exploit `name` at `site`, from its evidence `fields`, measured on data drawn like the sketches `s`."
+    e, (M, K, N) = REGISTRY[name], shape
     x, w, b = draw_like(s, site, M, K, N, seed)
-    row = dict(run_id=run, site=site, exploit=exploit, role='lhs', M=M, K=K, N=N, channels='', guard='', note='')
-    kw, arg = {}, None
-    if exploit == 'dead-channels':
-        dead = sorted(int(i) for i in frows.idx)
-        keep = torch.tensor(sorted(set(range(K)) - set(dead)), dtype=torch.long)
-        row.update(channels=format_channels(dead), stat='chan_density', value=len(dead) / K)
-        kw, arg = dict(kept=len(keep)), keep
-        row['note'] = f'drop {len(dead)}/{K} always-zero K-columns (exact slice)'
-    elif exploit == 'sparse-gemm':
-        d = float(frows.value.iloc[0])
-        row.update(stat='density', value=d); kw = dict(density=d)
-        row['note'] = f'CSR lhs, skip {1 - d:.0%} zeros (conversion paid per call)'
-    elif exploit == 'int8':
-        row.update(stat='sqnr_int8_db', value=float(frows.value.iloc[0]))
-        row['note'] = f'dynamic per-tensor int8 lhs × per-channel int8 weight, torch._int_mm (est. SQNR {row["value"]:.0f} dB)'
-    elif exploit == 'low-rank':
-        w = weights[site].detach().float().reshape(N, K)
-        r, saving = rank_at_energy(w, 0.99)
-        row.update(role='rhs', stat='rank_99', value=r); kw, arg = dict(rank=r), r
-        row['note'] = f'rank {r} of {min(N, K)} holds 99% of the weight energy (MAC saving {saving:.0%})'
-    elif exploit == 'prepack':
-        row.update(role='rhs', stat='stationary', value=1.)
-    k = make_kernel(exploit, w, b, arg)
-    if exploit == 'prepack':
-        row['note'] = f'weight fixed across steps: store wᵀ contiguous ({K}×{N} float32, {k.packed_bytes / 1024:.0f} KiB) once, not per call'
-    row.update(exact=k.exact, packed_bytes=k.packed_bytes,
-               est_speedup=est_speedup(exploit, M, K, N, machine, **kw))
-    if exploit in GUARD_STAT:
-        per = sketch_values(s, site, parse_guard(f'lhs.{GUARD_STAT[exploit]}{"[channels]" if exploit == "dead-channels" else ""} <= 0'),
-                            parse_channels(row['channels'])).iloc[:, 0]
-        row['guard'] = synthesize_guard(exploit, per)
-        row['steps_held'], row['steps'], row['guard_sigma'], _ = _guard_eval(s, site, row['guard'], parse_channels(row['channels']))
-        row['guard_holds'] = row['steps_held'] / row['steps']
-    else:
-        nsteps = s[s.site.astype(str) == site].step.nunique()
-        row.update(steps_held=nsteps, steps=nsteps, guard_holds=1.0,
-                   guard_sigma=float(_tap(s, site, 'rhs').query("stat == 'absmax'").value.std(ddof=0)) if exploit == 'prepack' else np.nan)
-    dense = lambda x: F.linear(x, w, b)
-    row['dense_ms'], row['special_ms'] = ab_bench(dense, k.fn, x)
+    w, ch = fields.get('weight', w), fields.get('channels', [])
+    k = e.kernel(w, b, fields.get('arg'))
+    row = dict(run_id=run, site=site, exploit=name, role=fields.get('role', 'lhs'), stat=fields['stat'], value=fields['value'],
+               M=M, K=K, N=N, channels=format_channels(ch), note=fields['note'], exact=k.exact, packed_bytes=k.packed_bytes,
+               est_speedup=est_speedup(name, M, K, N, machine, **fields.get('cost_kw', {})))
+    row.update(_guard_fields(s, site, e, ch) if e.guard is not None else _unguarded_fields(s, site, fields))
+    row['dense_ms'], row['special_ms'] = ab_bench(lambda x: F.linear(x, w, b), k.fn, x)
     row['measured_speedup'] = row['dense_ms'] / row['special_ms']
     if row['measured_speedup'] < 1: row['note'] = f"{NOT_WORTH_IT}: {row['note']}"
     return row
 
 # %% ../nbs/07_plan.ipynb #46864594
-def plan(sketches_df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. from `record` or `read_sketches`
-         findings_df:pd.DataFrame=None, # `miner.mine(sketches_df)` (computed when None)
+TEXT_COLUMNS = ('run_id', 'dist', 'backend', 'site', 'role', 'stat')   # plain `str` in every table (the dtype policy)
+
+def _plain(sketches):
+    "The sketches with the columns planning reads, text columns as plain `str` (converted once, here, whatever the source)."
+    missing = [c for c in ['run_id', 'step', 'M', 'K', 'N', 'site', 'role', 'stat', 'idx', 'value'] if c not in sketches.columns]
+    if missing: raise InputError(f"cannot plan: the sketches lack columns {', '.join(missing)}")
+    if 'dist' in sketches and sketches.dist.isna().any():   # a CSV reads an empty dist back as missing;
+        sketches = sketches.assign(dist=sketches.dist.fillna(''))  # the miner's groupby would drop those rows
+    return sketches.astype({c: str for c in TEXT_COLUMNS if c in sketches})
+
+
+# %% ../nbs/07_plan.ipynb #883afca1
+def _site_rows(s, findings, stat_taps, run, site, weights, names, machine, seed):
+    "The plan rows of one site: every exploit in `names` whose record finds evidence there."
+    g, rows, shape, ev = findings[(findings.run_id == run) & (findings.site == site)], [], None, None
+    for name in names:
+        try:
+            if ev is None: shape = _site_shape(s, site); ev = _evidence(s, stat_taps, run, site, shape, weights)
+            fields = REGISTRY[name].evidence(g, ev)
+            if fields is not None: rows.append(_plan_row(s, run, site, name, fields, shape, machine, seed))
+        except Exception as e: raise type(e)(f"planning {name} at site {site!r} of run {run!r}: {e}") from e
+    return rows
+
+# %% ../nbs/07_plan.ipynb #80a1898f
+def plan(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. from `record` or `read_sketches`
+         findings:pd.DataFrame=None, # `miner.mine(sketches)` (computed when None)
          weights:dict=None, # optional {site: weight tensor} (e.g. `probe.dump_sites(..., roles=('rhs',))`) for low-rank rows
          machine:dict=None, # `shapes.measure_machine()` result (measured when None)
          seed:int=0, # seed of the drawn benchmark data
+         exploits:list=None, # plan only these registered exploits (default: every one with a kernel, `exploits.planned()`)
         )->pd.DataFrame:
     "One row per (site, exploit): guard, its stability, estimated and measured speedup (`PLAN_COLUMNS`)."
-    missing = [c for c in ['run_id', 'step', 'M', 'K', 'N', 'site', 'role', 'stat', 'idx', 'value'] if c not in sketches_df.columns]
-    if missing: raise InputError(f"cannot plan: the sketches lack columns {', '.join(missing)}")
-    if 'dist' in sketches_df and sketches_df.dist.isna().any():   # a CSV reads an empty dist back as missing;
-        sketches_df = sketches_df.assign(dist=sketches_df.dist.fillna(''))  # the miner's groupby would drop those rows
-    f = mine(sketches_df) if findings_df is None else findings_df
-    f = f.assign(**{k: f[k].astype(str) for k in ['run_id', 'site', 'role', 'exploit']})
-    stat_taps = f.loc[f.exploit == 'stationary', ['run_id', 'site', 'role']] if (f.exploit == 'stationary').any() \
-        else stationary_taps(sketches_df)
+    names = planned() if exploits is None else [n for n in planned() if n in set(exploits)]
+    sketches = _plain(sketches)
+    findings = mine(sketches) if findings is None else findings
+    findings = findings.assign(**{k: findings[k].astype(str) for k in ['run_id', 'site', 'role', 'exploit']})
+    stat_taps = findings.loc[findings.exploit == 'stationary', ['run_id', 'site', 'role']] \
+        if (findings.exploit == 'stationary').any() else stationary_taps(sketches)
     weights = {k.rsplit('/', 1)[0] if k.endswith('/rhs') else k: v for k, v in weights.items()} if weights else None
-    machine = machine or measure_machine()
-    rows = []
-    for run in pd.unique(sketches_df.run_id.astype(str)):
-        for site in pd.unique(sketches_df.loc[sketches_df.run_id.astype(str) == run, 'site'].astype(str)):
-            for exploit, frows in _candidates(f, stat_taps, run, site, weights):
-                try: rows.append(_plan_row(sketches_df, run, site, exploit, frows, machine, weights, seed))
-                except Exception as e: raise type(e)(f"planning {exploit} at site {site!r} of run {run!r}: {e}") from e
-    out = pd.DataFrame(rows, columns=PLAN_COLUMNS)
-    return out.astype({'exact': bool}) if len(out) else out
+    machine, rows = machine or measure_machine(), []
+    for run in pd.unique(sketches.run_id):
+        s = sketches[sketches.run_id == run]
+        for site in pd.unique(s.site): rows += _site_rows(s, findings, stat_taps, run, site, weights, names, machine, seed)
+    plans = pd.DataFrame(rows, columns=PLAN_COLUMNS)
+    return plans.astype({'exact': bool}) if len(plans) else plans
 
 # %% ../nbs/07_plan.ipynb #df903fb1
 class GuardedLinear(nn.Module):
@@ -437,15 +356,17 @@ def _linear_params(gm, s):
                               "with a parameter weight only")
 
 # %% ../nbs/07_plan.ipynb #526a4ae4
-def choose(plan_df:pd.DataFrame, # from `plan`
+def choose(plans:pd.DataFrame, # from `plan`
            lossy:bool=False, # also allow lossy exploits (int8, low-rank)
            min_speedup:float=1.0, # the measured speedup a row must reach
           )->pd.DataFrame:
     "Per site, the guarded exploit with the best measured speedup (exact ones only unless `lossy`)."
-    p = plan_df[(plan_df.guard.fillna('') != '') & (plan_df.measured_speedup >= min_speedup)]
+    p = plans[(plans.guard.fillna('') != '') & (plans.measured_speedup >= min_speedup)]
     if not lossy: p = p[p.exact.astype(bool)]
     return p.sort_values('measured_speedup', ascending=False).drop_duplicates(['run_id', 'site']).sort_index()
 
+
+# %% ../nbs/07_plan.ipynb #687d6a38
 def _check_row(r, w):
     "The guard clauses and channels of plan row `r`, checked against its site's weight `w` (out × in) before anything is built."
     site = f"plan site {r.site!r}"
@@ -466,11 +387,12 @@ def _check_row(r, w):
             raise InputError(f"{site}: a low-rank rank must be an integer from 1 to {min(N, K) - 1} (the weight is {N}×{K}), not {r.value!r}")
     return ch
 
+# %% ../nbs/07_plan.ipynb #9d91256f
 def specialize(gm:fx.GraphModule, # from `inject.trace`; left untouched
-               plan_df:pd.DataFrame, # rows of `plan` to apply, one per site (see `choose`)
+               plans:pd.DataFrame, # rows of `plan` to apply, one per site (see `choose`)
               )->fx.GraphModule:
     "A new GraphModule whose planned sites check their guard on the live lhs and dispatch; `.guarded` maps site → `GuardedLinear`. Every row is checked against the graph and its weights first."
-    rows = plan_df[plan_df.guard.fillna('') != ''].astype({'site': str})   # a site named `0` read back by pandas is 0
+    rows = plans[plans.guard.fillna('') != ''].astype({'site': str})   # a site named `0` read back by pandas is 0
     dup = rows.site[rows.site.duplicated()]
     if len(dup): raise InputError(f"site {dup.iloc[0]!r} has several plan rows; keep one per site (e.g. with choose)")
     graph = copy.deepcopy(gm.graph)
@@ -482,10 +404,8 @@ def specialize(gm:fx.GraphModule, # from `inject.trace`; left untouched
         if r.site not in sites: raise MissingError(f"plan site {r.site!r} is not a matmul site of this graph; its sites are: {', '.join(sites)}")
         s = sites[r.site]
         w, b = _linear_params(gm, s)
-        ch, arg = _check_row(r, w), None
-        if r.exploit == 'dead-channels':
-            arg = torch.tensor(sorted(set(range(w.shape[1])) - set(ch)), dtype=torch.long, device=w.device)
-        elif r.exploit == 'low-rank': arg = int(float(r.value))
+        ch, e = _check_row(r, w), REGISTRY.get(r.exploit)
+        arg = e.kernel_arg(r, ch, w.shape[1]) if e is not None and e.kernel_arg is not None else None
         mod = GuardedLinear(r.site, w, b, r.exploit, r.guard, ch, arg)
         live_values(w.new_zeros(1, w.shape[1]), mod.clauses, 'lhs', mod.channels)   # the guard runs on a live lhs now, not on the first call
         name = 'opscope_guarded_' + re.sub(r'\W', '_', r.site)
@@ -507,6 +427,8 @@ def _site_bound_ok(mod, x, yref, y):
     bound = 2 * K * torch.finfo(torch.float32).eps / 2 * (x2 @ mod.weight.abs().t()) + 1e-30
     return bool(((y - yref).abs().reshape(bound.shape) <= bound).all())
 
+
+# %% ../nbs/07_plan.ipynb #6baba780
 def check_specialized(gm:fx.GraphModule, sgm:fx.GraphModule, # the original and `specialize(gm, ...)`
                       batches, # iterable of input tensors (one step each)
                      )->pd.DataFrame:
@@ -530,12 +452,12 @@ def check_specialized(gm:fx.GraphModule, sgm:fx.GraphModule, # the original and 
     return pd.DataFrame(rows, columns=['step', 'site', 'exploit', 'path', 'max_abs_err', 'rel_err', 'bitwise', 'within_tol'])
 
 # %% ../nbs/07_plan.ipynb #f28960a4
-def format_plan(p:pd.DataFrame)->str:
+def format_plan(plans:pd.DataFrame)->str:
     "Aligned text, one line per plan row: site, the planned stat, guard with stability, est and measured speedup."
-    if p.empty: return 'nothing to plan: no finding has a kernel here'
-    multi = p.run_id.nunique() > 1
+    if plans.empty: return 'nothing to plan: no finding has a kernel here'
+    multi = plans.run_id.nunique() > 1
     cols = []
-    for r in p.itertuples():
+    for r in plans.itertuples():
         site = f'{r.run_id}/{r.site}' if multi else r.site
         what = f'{r.role} {r.stat} {r.value:.3g}' if r.stat != 'stationary' else 'rhs stationary'
         guard = (f'guard {r.guard} (holds {int(r.steps_held)}/{int(r.steps)}, σ {r.guard_sigma:.2g})' if r.guard

@@ -341,14 +341,14 @@ def _dask_tables(sk, run):
         rng_ = _strkeys(run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max'], **one))[0])
         ca = _strkeys(pd.concat(run(*ca.to_delayed())))   # the matrix's rows come back partition by partition, never concatenated on one worker
         rng_ = rng_.set_index(K)
-        rel = _m.relative_range(rng_)   # the one stationarity definition
+        same = _m.stationary(rng_)   # the one stationarity definition
         per = lambda k: t[k].set_index(K)
         h = per('hist')
         f = pd.concat([t['scal'].pivot(index=K, columns='stat', values='value'),
                        pd.DataFrame({'kurtosis_all': (h.w4 / h.w) / (h.w2 / h.w) ** 2}), per('rows'),
                        per('chan').rename(columns={'ratio': 'outlier_ratio', 'n': 'channels'})], axis=1)
         out.update(features=_m.derived_features(f, per('steps').iloc[:, 0]),
-                   cross=((rel <= _m.STATIONARY_RTOL).groupby(level=K).all(), usual.groupby(K).size(),
+                   cross=(same.groupby(level=K).all(), usual.groupby(K).size(),
                           _m.step_matrix(ca.sort_values('step', kind='stable').assign(stat='chan_absmax'), 'chan_absmax', usual)))
     return out
 

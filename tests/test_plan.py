@@ -8,6 +8,7 @@ from opscope.zoo import load_mnist, mnist_mlp, make_tensor
 from opscope.inject import trace
 from opscope.recorder import record
 from opscope.miner import mine
+from opscope.exploits import REGISTRY, Exploit, Rule, register, planned, guard_density, kernel_sparse, cost_sparse, evidence_sparse
 from opscope.plan import (plan, specialize, choose, check_specialized, parse_guard, format_guard, guard_holds,
                           sketch_values, live_values, parse_channels, make_kernel, format_plan, PLAN_COLUMNS,
                           NOT_WORTH_IT, LOSSY_REL_TOL, stationary_taps, FINITE_GUARD)
@@ -116,6 +117,38 @@ def test_live_values_match_sketch_values():
 def test_stationary_taps_are_the_weights(mnist):
     st = stationary_taps(mnist['sk'])
     assert set(zip(st.site, st.role)) == {('fc1', 'rhs'), ('fc2', 'rhs'), ('fc3', 'rhs')}
+    found = mnist['found']                                      # one definition: the miner's finding names the same taps
+    assert set(zip(st.site, st.role)) == set(zip(found[found.exploit == 'stationary'].site, found[found.exploit == 'stationary'].role))
+
+
+@pytest.fixture
+def very_sparse():
+    "A toy exploit for one test, one record: the sparse kernel behind a tighter rule and guard cap."
+    def rule(f):
+        s = f[f.density <= 0.3]
+        return s.index.to_frame(index=False).assign(stat='density', idx=-1, value=s.density.to_numpy(), exploit='very-sparse',
+                                                    detail='very sparse')
+    ev = lambda g, e: evidence_sparse(g.assign(exploit=g.exploit.replace({'very-sparse': 'sparse-gemm', 'sparse-gemm': ''})), e)
+    register(Exploit('very-sparse', (Rule('features', rule),), 'CSR lhs', evidence=ev, guard=lambda per: guard_density(per, cap=0.3),
+                     guard_stat='density', kernel=kernel_sparse, cost=cost_sparse, plan_order=9))
+    yield 'very-sparse'
+    del REGISTRY['very-sparse']
+
+
+def test_a_new_record_is_a_new_exploit(mnist, very_sparse):
+    found = mine(mnist['sk'])
+    vs = found[found.exploit == very_sparse]
+    assert set(zip(vs.site, vs.role)) == {('fc1', 'lhs')}       # fc1 reads raw pixels (density ~0.19); fc2, fc3 are ReLU outputs
+    p = plan(mnist['sk'], found, machine=MACHINE, exploits=[very_sparse, 'prepack'])
+    assert set(p.exploit) == {very_sparse, 'prepack'} and list(p[p.site == 'fc1'].exploit) == ['prepack', very_sparse]   # in plan_order
+    row = p[p.exploit == very_sparse].iloc[0]
+    assert row.guard == 'lhs.density <= 0.25 and ' + FINITE_GUARD and row.guard_holds == 1 and row.est_speedup > 0
+    assert very_sparse in planned()
+
+
+def test_without_the_record_the_exploit_is_gone(mnist):
+    assert 'very-sparse' not in REGISTRY and not (mnist['found'].exploit == 'very-sparse').any()
+    with pytest.raises(ValueError, match="no kernel for exploit 'very-sparse'"): make_kernel('very-sparse', torch.zeros(2, 2))
 
 
 def test_kernels_match_dense():
@@ -155,6 +188,12 @@ def test_cli_plan_prints_and_writes(cli, sketch_file):
     assert 'fc1' in sgm.guarded
 
 
+def test_cli_plan_only_the_chosen_exploits(cli, sketch_file):
+    r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--exploits', 'dead-channels')
+    assert r.returncode == 0, r.stderr
+    assert {l.split()[1] for l in r.stdout.splitlines() if l.strip()} == {'dead-channels'}
+
+
 def test_cli_plan_bad_input(cli, sketch_file):
     r = cli('opscope-plan', str(sketch_file / 'missing.csv'), '--out', str(sketch_file / 'never.csv'))
     assert r.returncode == 2 and r.stderr.strip() == f'opscope-plan: error: {sketch_file}/missing.csv: no such file'
@@ -164,5 +203,8 @@ def test_cli_plan_bad_input(cli, sketch_file):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and 'missing columns' in r.stderr
     r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--out', str(sketch_file / 'plan.txt'))
     assert r.returncode == 2 and '--out must be a .csv file' in r.stderr
+    r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--exploits', 'int8,fp4', '--out', str(sketch_file / 'never.csv'))
+    assert r.returncode == 2 and r.stderr.strip() == ("opscope-plan: error: --exploits: 'fp4' is not an exploit with a kernel; "
+                                                      f"choose from {', '.join(planned())}")
     assert not (sketch_file / 'never.csv').exists() and not (sketch_file / 'plan.txt').exists()
     assert not [p for p in sketch_file.iterdir() if p.name.startswith('.')]   # no temporary left behind
