@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from . import miner as _m
-from .tables import InputError
 from .exploits import rules
+
 
 # %% auto #0
 __all__ = ['G', 'INFER_ROLES', 'SCALARS', 'finite_steps', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios',

@@ -349,14 +349,12 @@ def test_library_bug_in_a_cli_shows_its_traceback(tmp_path):
     "A CLI whose library call raises ValueError (a bug, monkeypatched in) prints the traceback; bad input stays one line."
     sk = tmp_path / 'sk.csv'
     code = textwrap.dedent(f"""
-        import sys
         from opscope.recorder import sweep
         sweep({str(sk)!r}, shapes=((8, 16, 16),), dists=['gaussian'], steps=1)
         import opscope.cli as c
         def bug(*a, **k): raise ValueError('mine broke')
         c.mine = bug
-        sys.argv = ['opscope-mine', {str(sk)!r}]
-        c.opscope_mine()
+        c.opscope_mine(inp={str(sk)!r})
     """)
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=240)
     assert r.returncode == 1 and 'Traceback' in r.stderr and 'ValueError: mine broke' in r.stderr, r.stderr[-2000:]
