@@ -9,6 +9,7 @@ from pathlib import Path
 from fastcore.script import call_parse, Param
 import opscope
 from .recorder import Recorder, InputError, COMMIT_SUFFIX, record
+from .zoo import MODELS, model_names
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX',
@@ -367,7 +368,7 @@ def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int
 
 @call_parse
 def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='?')=6,
-                 model:Param("which zoo model", str, opt=False, nargs='?', choices=['mlp', 'transformer', 'moe'])='transformer',
+                 model:Param("which zoo model", str, opt=False, nargs='?', choices=list(model_names('flow')))='transformer',
                  depth:int=64, # blocks longer than this are split into single-use trees
                 ):
     "Repeated dataflow blocks of a zoo model, each with its count, size, op types and fusion label."
@@ -470,7 +471,7 @@ def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or 
         frames = []
         with recording(out, 'opscope-infer', force) as rec:
             for n, m, batches in work:
-                df = record(m, batches, run_id=n, dist='SENTENCES' if n == 'minilm' else 'gaussian', sink=rec, keep=True)
+                df = record(m, batches, run_id=n, dist=MODELS[n].dist, sink=rec, keep=True)
                 roles = df.drop_duplicates(['site', 'role']).role.value_counts()
                 print(f"{n}: {steps} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
                       f"{roles.get('gate', 0)} top-k), {len(df):,} rows")

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 from .recorder import Recorder, record, read_sketches, SCHEMA, _dataset_files, PARTITION_TYPES, RENAMED_STATS
 from . import miner as _m
+from .zoo import get_model, model_names
 from . import partials as _p
 
 # %% auto #0
@@ -42,13 +43,12 @@ def record_shard(model, # an `nn.Module` (each rank holds its own replica)
     return df
 
 # %% ../nbs/03a_scale.ipynb #1c3ee831
-WORKLOADS = ('seq', 'mnist')
+WORKLOADS = model_names('scale')   # a view of the registry
 
 def _workload(name, steps):
-    from opscope.zoo import seq_model, stepped_sequence, mnist_mlp, mnist_batches
-    if name == 'seq': return seq_model(), stepped_sequence(steps), 'seq', 'seq'
-    if name == 'mnist': return mnist_mlp(), mnist_batches(steps), 'mnist', 'mnist'
-    raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    "`(model, batches, run_id, dist)` of a registered workload."
+    e = get_model(name, 'scale')
+    return (*e.workload(steps), name, e.dist)
 
 def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -72,7 +72,7 @@ def record_spawned(out, # the dataset directory to write
                   ):
     "Record a zoo workload with `world` local ranks (spawned, loopback only), each writing its shard of the dataset `out`."
     import torch.multiprocessing as mp
-    if workload not in WORKLOADS: raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    get_model(workload, 'scale')          # an unknown name fails here, before any process starts
     from opscope.scale import _spawned     # by module, so spawned children can import it (also from a notebook)
     mp.spawn(_spawned, args=(world, _free_port(), str(out), workload, steps, backend), nprocs=world, join=True)
     return Path(out)

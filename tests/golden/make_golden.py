@@ -89,8 +89,8 @@ def cli_case(tmp):
     record(seq_model(d=32, layers=1, seed=29), stepped_sequence(steps=4, d=32, prefill=8, window=4, seed=37),
            run_id='seq', dist='seq', sink=tmp / 'q.csv')
     _cli(cli.opscope_plan, tmp / 'q.csv', '--out', tmp / 'p.csv', '--seed', 41)   # stdout carries timings: not kept
-    p = pd.read_csv(tmp / 'p.csv')
-    out['plan_out'] = p.drop(columns=[c for c in TIMED + ['est_speedup'] if c in p.columns])   # est: measured machine
+    plans = pd.read_csv(tmp / 'p.csv')
+    out['plan_out'] = plans.drop(columns=[c for c in TIMED + ['est_speedup'] if c in plans.columns])   # est: measured machine
     return out
 
 def compute()->dict:
