@@ -45,3 +45,13 @@ def test_no_module_path_names():
     model, x = CASES['transformer3']()
     c = op_costs(model, x)
     assert {'layers.0.attn.matmul', 'layers.0.attn.matmul_1'} <= set(c.site) and 'layers.0.attn' not in set(c[c.kind == 'matmul'].site)
+
+def test_record_generate_names_as_record():
+    "A decoder's generate loop runs it inside `StaticDecoder` (as `.model`); its sites are still the decoder's own names."
+    from opscope.runners import tiny_decoder, record_generate
+    m = tiny_decoder('llama', layers=1, seed=67)
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(68))
+    _, gen = record_generate(m, ids, 2, taps=('matmul',))
+    rec = record(m, [dict(input_ids=ids, use_cache=False)], taps=('matmul',))
+    cov = coverage(m, input_ids=ids, use_cache=False)
+    assert set(gen.site) == set(rec.site.astype(str)) == set(cov.site) and 'lm_head' in set(gen.site)
