@@ -20,6 +20,8 @@ from .plan import plan, format_plan, format_channels, planned
 from .docs import docs_preview
 from .bench import bench_report, goal_table, save_report
 from .runners import load_factory, load_hf, read_prompts, record_hf
+from .zoo import MODELS, model_names
+
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX',
@@ -330,7 +332,7 @@ def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int
 
 @call_parse
 def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='?')=6,
-                 model:Param("which zoo model", str, opt=False, nargs='?', choices=['mlp', 'transformer', 'moe'])='transformer',
+                 model:Param("which zoo model", str, opt=False, nargs='?', choices=list(model_names('flow')))='transformer',
                  depth:int=64, # blocks longer than this are split into single-use trees
                 ):
     "Repeated dataflow blocks of a zoo model, each with its count, size, op types and fusion label."
@@ -435,7 +437,7 @@ def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or 
         frames = []
         with recording(out, 'opscope-infer', force) as rec:
             for n, m, batches in work:
-                df = record(m, batches, run_id=n, dist='SENTENCES' if n == 'minilm' else 'gaussian', sink=rec, keep=True)
+                df = record(m, batches, run_id=n, dist=MODELS[n].dist, sink=rec, keep=True)
                 roles = df.drop_duplicates(['site', 'role']).role.value_counts()
                 print(f"{n}: {steps} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
                       f"{roles.get('gate', 0)} top-k), {len(df):,} rows")

@@ -143,6 +143,7 @@ def _quarto_ids(body):
         return f'<h{m[1]} id="{i}">{m[2]}{m[3]}{i}{m[4]}'
     return _re_head.sub(sub, body)
 
+# %% ../nbs/10_docs.ipynb #81964f9f
 _CSS = """<style>
 #opscope-nav{position:fixed;top:0;left:0;bottom:0;width:240px;overflow-y:auto;padding:1em;
   background:#f6f8fa;border-right:1px solid #ddd;font:14px/1.5 system-ui,sans-serif}

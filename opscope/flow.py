@@ -9,8 +9,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 import pandas as pd
-from . import zoo
+from .zoo import get_model, model_names
 from .tables import InputError, atomic_write
+
 
 # %% auto #0
 __all__ = ['OP_ALIASES', 'ONNX_ALIASES', 'STRUCTURAL_OPS', 'GRAPH_FORMATS', 'MATMUL_OPS', 'ACTIVATION_OPS', 'EPILOGUE_OPS',
@@ -87,6 +88,7 @@ def _find_cycle(left, by_id):
         cur = next(i for i in by_id[cur].inputs if i in left)
     return seen[seen.index(cur):] + [cur]
 
+# %% ../nbs/04_flow.ipynb #985cc7c4
 def _toposort(nodes, source, lines=None):
     "Nodes in a topological order (keeping the given order where it already is one), after checking them."
     by_id = {}
@@ -189,16 +191,15 @@ def from_fx(gm, # a `torch.fx.GraphModule`, e.g. from `torch.fx.symbolic_trace`
     return _from_fx_graph(gm.graph, dict(gm.named_modules()), {}, source or type(gm).__name__)
 
 # %% ../nbs/04_flow.ipynb #677755c8
-def zoo_graph(kind:str='transformer', # `mlp`, `transformer` or `moe`
+def zoo_graph(kind:str='transformer', # a registered model that flow takes: `zoo.model_names('flow')`
               layers:int=6, # how many layers the zoo model has
              )->OpGraph:
     "The `OpGraph` of a zoo model, symbolically traced with torch.fx."
-    if kind not in ('mlp', 'transformer', 'moe'): raise InputError(f"unknown zoo model {kind!r}; choose one of mlp, transformer, moe")
+    e = get_model(kind, 'flow')
     if int(layers) < 1: raise InputError(f"layers must be at least 1, got {layers}")
     import torch.fx
-    builders = dict(mlp=lambda: zoo.mlp(layers + 1), transformer=lambda: zoo.transformer(layers),
-                    moe=lambda: zoo.moe(layers))
-    return from_fx(torch.fx.symbolic_trace(builders[kind]()), f"zoo.{kind}({layers} layers)")
+    return from_fx(torch.fx.symbolic_trace(e.build(layers)), f"zoo.{kind}({layers} layers)")
+
 
 # %% ../nbs/04_flow.ipynb #cef721e6
 def _tensor_names(arg):
@@ -216,10 +217,13 @@ def _pt2_program(path):
         if not names: raise InputError('no models/*.json program in the archive')
         return json.loads(z.read(sorted(names, key=lambda n: not n.endswith('/model.json'))[0]))
 
+
+# %% ../nbs/04_flow.ipynb #93be71be
 def _sizes(tv):
     try: return tuple(int(d['as_int']) for d in tv['sizes'])
     except (KeyError, TypeError): return None
 
+# %% ../nbs/04_flow.ipynb #702ee5f1
 def _read_pt2(path, source):
     prog = _pt2_program(path)['graph_module']
     g, sig = prog['graph'], prog['signature']

@@ -14,6 +14,7 @@ from . import zoo
 from .inject import trace, matmul_sites
 from .tables import InputError, MissingError, atomic_write
 
+
 # %% auto #0
 __all__ = ['MAX_SVD_ROWS', 'MAX_UNIQUE_NUMEL', 'Factoring', 'TWO_FOUR_KEEP', 'TwoFour', 'QUANT_OK_DB', 'Cardinality',
            'MIN_FACTOR_SAVING', 'RANK_COLS', 'PROBE_MODELS', 'save_tensors', 'load_tensors', 'dump_sites',
@@ -314,13 +315,13 @@ def sweep_ranks(findings:pd.DataFrame, # `miner.mine` of sketches `recorder.swee
     return pd.concat(parts, ignore_index=True) if parts else rank_table({}, '')
 
 # %% ../nbs/05_probe.ipynb #d13718c6
-PROBE_MODELS = ('mnist', 'minilm', 'transformer')
+PROBE_MODELS = zoo.model_names('probe')   # a view of the registry
 
 def model_tensors(model:str='mnist', # one of `PROBE_MODELS`
                   batch:int=64, # images (mnist), sentences (minilm, at most 8) or sequences (transformer)
                  )->dict:
     "Weights (`w/...`) and one batch of activations (`a/...`) of a zoo model or MiniLM, as a dict of tensors."
-    if model not in PROBE_MODELS: raise InputError(f"unknown model {model!r}; choose one of {', '.join(PROBE_MODELS)}")
+    e = zoo.get_model(model, 'probe')
     if model == 'minilm':
         m, tok = zoo.load_minilm()
         enc = tok(zoo.SENTENCES[:batch], padding=True, return_tensors='pt')
@@ -328,7 +329,7 @@ def model_tensors(model:str='mnist', # one of `PROBE_MODELS`
         keep = enc['attention_mask'].bool()
         acts = {f'a/layer{i}.in': h[keep] for i, h in enumerate(hs[:-1])}
     else:
-        m = zoo.mnist_mlp() if model == 'mnist' else zoo.transformer()
+        m = e.build()
         x = zoo.load_mnist(batch, seed=0)[0] if model == 'mnist' else zoo.example_input(m, batch=batch // 8 or 1, seed=0)
         acts = {f'a/{k[:-4]}': v for k, v in dump_sites(m, x, roles=('lhs',)).items()}
     weights = {f'w/{n}': p.detach() for n, p in m.named_parameters() if p.ndim >= 2}

@@ -72,6 +72,10 @@ def _next_token(logits, eos):
     return s.argmax(-1, keepdim=True)
 
 # %% ../nbs/02b_runners.ipynb #566fc1a5
+def _unwrapped(stats:dict)->dict:
+    "Stats keyed by the decoder's own site names: `StaticDecoder` holds it as `.model`, which the traced graph prefixes."
+    return {k.removeprefix('model.'): v for k, v in stats.items()}
+
 def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval mode
                     input_ids:torch.Tensor, # (batch, prompt) token ids, left-padded
                     max_new_tokens:int, # N: new tokens, and recorded steps
@@ -107,7 +111,7 @@ def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval m
             if first: graphs[n] = _step_graph(run, args, taps, bins)   # the prefill's, then the decode steps'
             with torch.no_grad():
                 logits, stats = _gated(run, graphs[n], args, step) if first or gate_every else graphs[n](*args)
-            df = decode_stats(stats, run_id=run_id, step=step, backend=dev.type, dist=dist)
+            df = decode_stats(_unwrapped(stats), run_id=run_id, step=step, backend=dev.type, dist=dist)
             if rec is not None: rec.write(df)
             frames.append(df)
             ids = _next_token(logits, eos)

@@ -15,6 +15,8 @@ from .recorder import Recorder, record, read_sketches
 from . import miner as _m
 from . import partials as _p
 from . import scale as _self   # this module as imported: spawned ranks unpickle `_spawned` from it (also when called from the notebook)
+from .zoo import get_model, model_names
+
 
 # %% auto #0
 __all__ = ['WORKLOADS', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings', 'mine_dask']
@@ -45,12 +47,12 @@ def record_shard(model, # an `nn.Module` (each rank holds its own replica)
     return df
 
 # %% ../nbs/03a_scale.ipynb #1c3ee831
-WORKLOADS = ('seq', 'mnist')
+WORKLOADS = model_names('scale')   # a view of the registry
 
 def _workload(name, steps):
-    if name == 'seq': return seq_model(), stepped_sequence(steps), 'seq', 'seq'
-    if name == 'mnist': return mnist_mlp(), mnist_batches(steps), 'mnist', 'mnist'
-    raise InputError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    "`(model, batches, run_id, dist)` of a registered workload."
+    e = get_model(name, 'scale')
+    return (*e.workload(steps), name, e.dist)
 
 def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -74,7 +76,7 @@ def record_spawned(out, # the dataset directory to write
                   ):
     "Record a zoo workload with `world` local ranks (spawned, loopback only), each writing its shard of the dataset `out`."
     import torch.multiprocessing as mp
-    if workload not in WORKLOADS: raise InputError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    get_model(workload, 'scale')          # an unknown name fails here, before any process starts
     mp.spawn(_self._spawned, args=(world, _free_port(), str(out), workload, steps, backend), nprocs=world, join=True)
     return Path(out)
 

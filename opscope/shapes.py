@@ -140,6 +140,7 @@ class _CostMode(TorchDispatchMode):
             self.rows.append({'site': self.site() if e is None else expert_site(self.site(), e), **r})
         return out
 
+# %% ../nbs/06_shapes.ipynb #166b11f4
 def _module_stack(model):
     "Hooks that keep the current module path on a stack; returns (stack, handles)."
     stack, handles = [], []
@@ -150,6 +151,7 @@ def _module_stack(model):
         handles.append(mod.register_forward_hook(pop))
     return stack, handles
 
+# %% ../nbs/06_shapes.ipynb #63cdecc8
 class _NodeSites(torch.fx.Interpreter):
     "Run a GraphModule, exposing the site name of the node being run (`inject.site_names` for GEMM-like nodes)."
     current = ''
@@ -168,6 +170,10 @@ class _NodeSites(torch.fx.Interpreter):
 COST_COLUMNS = ['site', 'op', 'kind', 'batch', 'M', 'K', 'N', 'flops', 'macs', 'bytes', 'intensity']
 GEMM_KINDS = ('matmul', 'conv', 'attention')
 
+def _torch_layer(m):
+    "True for one of torch's own layers (`nn.Linear`, `nn.MultiheadAttention`, ...): costed as it runs eagerly, its fused kernel included."
+    return type(m).__module__.startswith('torch.nn.modules')
+
 def _in_spec(gm):
     "The input pytree spec of a `torch.export` module (which takes keywords), else None."
     info = getattr(gm.graph._codegen, 'pytree_info', None)
@@ -177,8 +183,11 @@ def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`
              *inputs, # its positional inputs (on the model's device; meta tensors count without computing)
              **kwargs, # its keyword inputs
             )->pd.DataFrame:
-    "One row per ATen op a forward runs: `site, op, kind, batch, M, K, N, flops, macs, bytes, intensity`."
+    "One row per ATen op a forward runs: `site, op, kind, batch, M, K, N, flops, macs, bytes, intensity`; sites named as `inject` names them."
     m = model_or_gm
+    if not isinstance(m, torch.fx.GraphModule) and not _torch_layer(m):
+        try: m = trace(m, *inputs, **kwargs)   # so GEMM sites get `inject.site_names`' names, the ones `record` writes
+        except RuntimeError: pass              # untraceable (so `record` cannot tap it either): module paths name the ops
     if isinstance(m, torch.fx.GraphModule):
         interp, spec = _NodeSites(m), _in_spec(m)
         if kwargs and spec is None: raise InputError(f"a GraphModule takes positional inputs only; got keywords {', '.join(kwargs)}")
@@ -295,21 +304,24 @@ def gemm_histogram(costs:pd.DataFrame, # from `op_costs` (or `roofline`)
     return h.head(top) if top else h
 
 # %% ../nbs/06_shapes.ipynb #12a7aad7
-ZOO_MODELS = ('mlp', 'transformer', 'moe', 'mnist')
+ZOO_MODELS = zoo.model_names('shapes')   # a view of the registry
 
 def torchvision_models()->list:
     "Names of torchvision's classification models."
     import torchvision
     return torchvision.models.list_models(module=torchvision.models)
 
+
+# %% ../nbs/06_shapes.ipynb #9b1ca41c
 def shapes_model(name:str, # a zoo model (`ZOO_MODELS`) or a torchvision classification model name
                  batch:int=1, # batch size
                  device=None, # device for torchvision models (default `meta`: shapes only)
                 )->tuple:
     "(model, inputs) for a zoo model with its seeded example input or a torchvision classifier at its crop size."
     if name in ZOO_MODELS:
-        m = {'mlp': zoo.mlp, 'transformer': zoo.transformer, 'moe': zoo.moe, 'mnist': zoo.mnist_mlp}[name]()
-        return m, (zoo.example_input(m, batch=batch),)
+        e = zoo.get_model(name, 'shapes')
+        m = e.build()
+        return m, (e.example(m, batch),)
     if name not in torchvision_models():
         raise InputError(f"unknown model {name!r}: use one of {', '.join(ZOO_MODELS)} or a torchvision classification "
                          "model such as resnet18, mobilenet_v2, vit_b_16")
@@ -323,6 +335,7 @@ def shapes_model(name:str, # a zoo model (`ZOO_MODELS`) or a torchvision classif
     with torch.device(device): m = get_model(name, weights=None).eval()
     return m, (torch.randn(batch, 3, size, size, device=device),)
 
+# %% ../nbs/06_shapes.ipynb #4e793466
 def published_gmacs(name:str)->float:
     "The GFLOPS figure in a torchvision model's `DEFAULT` weights `meta['_ops']` (multiply-accumulates, read offline)."
     from torchvision.models import get_model_weights

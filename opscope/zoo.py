@@ -5,6 +5,8 @@
 # %% ../nbs/00_zoo.ipynb #0f02c236
 from __future__ import annotations
 import math, os
+from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 import numpy as np
 import torch
@@ -13,11 +15,11 @@ import torch.nn.functional as F
 from .tables import InputError
 
 # %% auto #0
-__all__ = ['DISTS', 'OUTLIER_SCALE', 'LOWRANK_RANK', 'HEAVYTAIL_NU', 'INFER_MODELS', 'MNIST_ROOT', 'SENTENCES',
+__all__ = ['DISTS', 'OUTLIER_SCALE', 'LOWRANK_RANK', 'HEAVYTAIL_NU', 'MNIST_ROOT', 'SENTENCES', 'TOOLS', 'MODELS', 'INFER_MODELS',
            'outlier_channels', 'make_tensor', 'describe_dists', 'Gemm', 'gemm', 'MLP', 'mlp', 'Attention', 'FFN',
            'Block', 'Transformer', 'transformer', 'MoELayer', 'MoE', 'moe', 'PlantedAttention', 'planted_attention',
-           'MnistMLP', 'mnist_mlp', 'example_input', 'stepped_sequence', 'seq_model', 'infer_workload', 'load_mnist',
-           'mnist_batches', 'minilm_path', 'load_minilm']
+           'MnistMLP', 'mnist_mlp', 'example_input', 'stepped_sequence', 'seq_model', 'load_mnist', 'mnist_batches',
+           'minilm_path', 'load_minilm', 'ZooModel', 'model_names', 'get_model', 'infer_workload']
 
 # %% ../nbs/00_zoo.ipynb #c48519ee
 DISTS = ('gaussian', 'uniform', 'relu', 'sparse90', 'outlier', 'heavytail', 'lowrank')
@@ -131,6 +133,7 @@ class Attention(nn.Module):
         p = torch.softmax(s, dim=-1)
         return self.o((p @ v).transpose(1, 2).reshape(B, T, D))
 
+# %% ../nbs/00_zoo.ipynb #c35f1b5a
 class FFN(nn.Module):
     "Up-projection, SiLU, down-projection."
     def __init__(self, d, mult=4):
@@ -148,6 +151,7 @@ class Block(nn.Module):
         x = x + self.attn(self.ln1(x))
         return x + self.ffn(self.ln2(x))
 
+# %% ../nbs/00_zoo.ipynb #571042e5
 class Transformer(nn.Module):
     "A stack of `Block`s over (batch, tokens, d) inputs."
     def __init__(self, layers=2, d=64, heads=4, mult=4, causal=False):
@@ -182,6 +186,8 @@ class MoELayer(nn.Module):
         y = torch.bmm(F.silu(torch.bmm(xe, self.w_up)), self.w_down)
         return torch.einsum('te,etd->td', gates, y).reshape(shape)
 
+
+# %% ../nbs/00_zoo.ipynb #25dffd3f
 class MoE(nn.Module):
     "A stack of pre-norm residual `MoELayer`s."
     def __init__(self, layers=2, d=64, experts=8, k=2, hidden=None):
@@ -192,6 +198,7 @@ class MoE(nn.Module):
         for n, l in zip(self.norms, self.layers): x = x + l(n(x))
         return x
 
+# %% ../nbs/00_zoo.ipynb #8b204907
 def moe(layers:int=2, d:int=64, experts:int=8, k:int=2, hidden:int=None, seed:int=0,
         router_bias=None, # added to every router's bias (one value per expert): -30 = never chosen, +5 = favoured
        )->MoE:
@@ -226,6 +233,7 @@ class PlantedAttention(nn.Module):
             s = s.masked_fill(~live[:, None, None, :], float('-inf'))
         return (torch.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(B, T, D)
 
+# %% ../nbs/00_zoo.ipynb #7f744e54
 def planted_attention(d:int=32, # model width
                       heads:int=2, # attention heads
                       sink:int=5, # the key position every query is drawn to
@@ -285,24 +293,6 @@ def stepped_sequence(steps:int=16, # calls: one prefill, then steps-1 decode cal
 def seq_model(d:int=64, layers:int=2, seed:int=0)->Transformer:
     "The causal zoo transformer that `stepped_sequence` drives."
     return transformer(layers=layers, d=d, heads=4, causal=True, seed=seed)
-
-# %% ../nbs/00_zoo.ipynb #30a9c960
-INFER_MODELS = ('transformer', 'moe', 'minilm')
-
-def infer_workload(name:str, # one of `INFER_MODELS`
-                   steps:int=2, # batches
-                   seed:int=0, # first value seed (zoo models)
-                  ):
-    "`(model, batches)` for recording attention / routing dynamics: the zoo transformer or MoE, or MiniLM on `SENTENCES`."
-    if name not in INFER_MODELS: raise InputError(f"unknown model {name!r}; choose one of {', '.join(INFER_MODELS)}")
-    if steps < 1: raise InputError(f"steps must be at least 1, not {steps}")
-    if name != 'minilm':
-        m = transformer() if name == 'transformer' else moe()
-        return m, [example_input(m, seed=seed + s) for s in range(steps)]
-    m, tok = load_minilm()
-    T = max(len(tok(s)['input_ids']) for s in SENTENCES)
-    groups = [[SENTENCES[(4 * s + i) % len(SENTENCES)] for i in range(4)] for s in range(steps)]
-    return m, [dict(tok(g, padding='max_length', max_length=T, return_tensors='pt')) for g in groups]
 
 # %% ../nbs/00_zoo.ipynb #cff52218
 MNIST_ROOT = Path(os.environ.get('OPSCOPE_MNIST_ROOT', '~/.cache/torchvision-mnist')).expanduser()
@@ -369,3 +359,81 @@ SENTENCES = [
     "The quick brown fox jumps over the lazy dog while the band plays on in the square.",
     "Mixture-of-experts layers route each token to a few experts chosen by a learned gate.",
 ]
+
+# %% ../nbs/00_zoo.ipynb #015838da
+TOOLS = ('shapes', 'probe', 'infer', 'flow', 'scale')   # the tools that take a model by name
+
+@dataclass(frozen=True)
+class ZooModel:
+    "One registered model: how to build it, one example input, the batches a recording runs, the tools that take it."
+    name:str
+    build:Callable      # (layers=None) -> the model; None: its default depth
+    example:Callable    # (model, batch) -> one positional input for a forward at `batch`
+    batches:Callable    # (model, steps, seed) -> the inputs of a recording, one per step
+    dist:str            # the input's name, kept in recorded rows
+    tools:tuple         # which of `TOOLS` take it
+    real:bool=False     # real weights or real data, loaded offline
+    def workload(self, steps:int=2, seed:int=0)->tuple:
+        "`(model, batches)` of a recording of `steps` steps."
+        m = self.build()
+        return m, self.batches(m, steps, seed)
+
+# %% ../nbs/00_zoo.ipynb #d7a4756d
+def _zoo_batches(m, steps, seed): return [example_input(m, seed=seed + s) for s in range(steps)]
+
+def _zoo_example(m, batch): return example_input(m, batch=batch)
+
+def _minilm_batches(m, steps, seed):
+    "Four `SENTENCES` per batch, padded to the longest of the set: every batch has the traced shape, every batch has padding."
+    from transformers import AutoTokenizer   # optional heavy dependency, imported where used
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    T = max(len(tok(s)['input_ids']) for s in SENTENCES)
+    groups = [[SENTENCES[(4 * s + i) % len(SENTENCES)] for i in range(4)] for s in range(steps)]
+    return [dict(tok(g, padding='max_length', max_length=T, return_tensors='pt')) for g in groups]
+
+def _minilm_example(m, batch):
+    raise NotImplementedError("MiniLM takes tokenized text (keyword inputs): use its `batches`")
+
+# %% ../nbs/00_zoo.ipynb #8200f0e5
+MODELS = {e.name: e for e in [
+    ZooModel('mlp', lambda layers=None: mlp() if layers is None else mlp(layers + 1), _zoo_example, _zoo_batches,
+             'gaussian', ('shapes', 'flow')),
+    ZooModel('transformer', lambda layers=None: transformer() if layers is None else transformer(layers), _zoo_example,
+             _zoo_batches, 'gaussian', ('shapes', 'probe', 'infer', 'flow')),
+    ZooModel('moe', lambda layers=None: moe() if layers is None else moe(layers), _zoo_example, _zoo_batches,
+             'gaussian', ('shapes', 'infer', 'flow')),
+    ZooModel('mnist', lambda layers=None: mnist_mlp(), _zoo_example, lambda m, steps, seed: mnist_batches(steps, seed=seed),
+             'mnist', ('shapes', 'probe', 'scale'), real=True),
+    ZooModel('seq', lambda layers=None: seq_model() if layers is None else seq_model(layers=layers),
+             _zoo_example, lambda m, steps, seed: stepped_sequence(steps, seed=seed),
+             'seq', ('scale',)),
+    ZooModel('minilm', lambda layers=None: load_minilm()[0], _minilm_example, _minilm_batches, 'SENTENCES',
+             ('probe', 'infer'), real=True),
+]}
+
+# %% ../nbs/00_zoo.ipynb #d752ab27
+def model_names(tool:str=None, # one of `TOOLS` (None: every registered model)
+               )->tuple:
+    "The names of the registered models that `tool` takes, in the registry's order."
+    if tool is not None and tool not in TOOLS: raise InputError(f"unknown tool {tool!r}; choose one of {', '.join(TOOLS)}")
+    return tuple(n for n, e in MODELS.items() if tool is None or tool in e.tools)
+
+def get_model(name:str, # a registered model's name
+              tool:str=None, # the tool asking: the model must be one it takes
+             )->ZooModel:
+    "The registry entry `name`, or the one-line error that lists the models `tool` takes."
+    names = model_names(tool)
+    if name not in names: raise InputError(f"unknown model {name!r}; choose one of {', '.join(names)}")
+    return MODELS[name]
+
+# %% ../nbs/00_zoo.ipynb #6c3100e1
+INFER_MODELS = model_names('infer')   # a view of the registry
+
+def infer_workload(name:str, # one of `INFER_MODELS`
+                   steps:int=2, # batches
+                   seed:int=0, # first value seed (zoo models)
+                  ):
+    "`(model, batches)` for recording attention / routing dynamics: the zoo transformer or MoE, or MiniLM on `SENTENCES`."
+    e = get_model(name, 'infer')
+    if steps < 1: raise InputError(f"steps must be at least 1, not {steps}")
+    return e.workload(steps, seed)

@@ -114,7 +114,7 @@ def test_cli_transformer_with_dump(tmp_path):
 def test_cli_bad_model_leaves_no_file(tmp_path):
     out = _cli('--model', 'resnet', '--dump', str(tmp_path / 'd.safetensors'))
     assert out.returncode == 2
-    assert out.stderr.splitlines() == ["opscope-probe: error: unknown model 'resnet'; choose one of mnist, minilm, transformer"]
+    assert out.stderr.splitlines() == ["opscope-probe: error: unknown model 'resnet'; choose one of transformer, mnist, minilm"]
     assert list(tmp_path.iterdir()) == []
 
 def test_cli_minilm_reports_effective_ranks():

@@ -1,0 +1,119 @@
+"""Golden outputs for issue #18's refactor: findings, plans and CLI outputs on the sweep, MNIST, a stepped run and MiniLM.
+
+Run once from the pre-refactor code (`python tests/golden/make_golden.py`) to write the files next to this script;
+`tests/test_golden.py` recomputes the same cases from the same seeds and compares. Seeds and sizes here are not
+used by any notebook. Columns that are wall-clock measurements (`dense_ms`, `special_ms`, `measured_speedup`) are
+dropped; the planner gets a fixed `MACHINE`, so its roofline estimate is deterministic.
+"""
+import contextlib, io, os, sys, tempfile, time
+from pathlib import Path
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import pandas as pd
+import torch
+from fastcore.script import anno_parser
+
+HERE = Path(__file__).parent
+MACHINE = dict(peak_flops=1e11, bandwidth=1e10, ridge=10.)      # fixed: est_speedup must not depend on this host
+TIMED = ['dense_ms', 'special_ms', 'measured_speedup']          # wall-clock columns, never compared
+NOT_WORTH_IT = 'not worth it on this machine: '                 # plan's note prefix when the measured speedup < 1
+
+SWEEP_SHAPES = ((32, 64, 64), (64, 128, 32))
+MINILM_PROMPTS = ["The river carried the old boat slowly toward the sea at dawn today.",
+                  "Small kernels win when the data they skip arrives in regular blocks.",
+                  "Every expert in the mixture sees only the tokens its router sends.",
+                  "A quiet library keeps its oldest maps in a locked wooden drawer."]
+MINILM_TOKENS = 12   # every prompt has at least this many tokens: truncated to it, no row is padding
+
+def sweep_case():
+    from opscope.recorder import sweep
+    return sweep(shapes=SWEEP_SHAPES, steps=3, seed=4242, structure_seed=7)
+
+def mnist_case():
+    from opscope.zoo import mnist_mlp, mnist_batches
+    from opscope.recorder import record
+    return record(mnist_mlp(seed=11), mnist_batches(3, batch=32, seed=13), run_id='mnist', dist='mnist')
+
+def stepped_case():
+    from opscope.zoo import seq_model, stepped_sequence
+    from opscope.recorder import record
+    return record(seq_model(d=32, layers=2, seed=17), stepped_sequence(steps=5, d=32, prefill=16, window=4, seed=19),
+                  run_id='seq', dist='seq')
+
+def minilm_batches(tok):
+    "Two batches of two prompts, each cut to `MINILM_TOKENS` tokens: equal lengths, so the attention mask is all ones."
+    out = []
+    for g in (MINILM_PROMPTS[:2], MINILM_PROMPTS[2:]):
+        b = dict(tok(g, truncation=True, max_length=MINILM_TOKENS, return_tensors='pt'))
+        assert b['input_ids'].shape[1] == MINILM_TOKENS and bool(b['attention_mask'].all()), "a prompt is too short"
+        out.append(b)
+    return out
+
+def minilm_case():
+    from opscope.zoo import load_minilm
+    from opscope.recorder import record
+    m, tok = load_minilm()
+    return record(m, minilm_batches(tok), run_id='minilm', dist='prompts')
+
+CASES = dict(sweep=sweep_case, mnist=mnist_case, stepped=stepped_case, minilm=minilm_case)
+
+PLAN_SITES = dict(minilm='encoder.layer.0.')   # MiniLM: only the first layer's sites are planned (time)
+
+def findings_and_plans(sketches, plan_sites=''):
+    "(findings, plans) of one case's sketches (plans of the sites starting with `plan_sites`), the plans without wall-clock columns."
+    from opscope.miner import mine
+    from opscope.plan import plan
+    findings = mine(sketches)
+    s = sketches[sketches.site.astype(str).str.startswith(plan_sites)]
+    s = s.assign(**{c: s[c].astype(str) for c in ['run_id', 'backend', 'dist', 'site', 'role', 'stat']})  # as read back from a file; 10x faster to plan
+    plans = plan(s, findings, machine=dict(MACHINE), seed=23)
+    return pd.DataFrame(findings), plans.drop(columns=[c for c in TIMED if c in plans.columns])
+
+def _cli(fn, *argv):
+    "Run a console-script function in this process with `argv`; its stdout."
+    f = fn.__wrapped__
+    args = anno_parser(f, prog=f.__name__.replace('_', '-')).parse_args(list(map(str, argv))).__dict__
+    for k in ('xtra', 'pdb'): args.pop(k, None)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf): fn(**args)
+    return buf.getvalue()
+
+def cli_case(tmp):
+    "The README's main job, tiny: `opscope-sweep` (2 steps) then `opscope-mine` with --out; `opscope-plan` on the stepped run."
+    from opscope import cli
+    from opscope.zoo import seq_model, stepped_sequence
+    from opscope.recorder import record
+    tmp = Path(tmp)
+    out = dict(sweep_stdout=_cli(cli.opscope_sweep, tmp / 's.csv', '--steps', 2, '--seed', 31337, '--quiet').replace(str(tmp), 'TMP'))
+    out['mine_stdout'] = _cli(cli.opscope_mine, tmp / 's.csv', '--out', tmp / 'f.csv').replace(str(tmp), 'TMP')
+    out['mine_out'] = pd.read_csv(tmp / 'f.csv')
+    record(seq_model(d=32, layers=1, seed=29), stepped_sequence(steps=4, d=32, prefill=8, window=4, seed=37),
+           run_id='seq', dist='seq', sink=tmp / 'q.csv')
+    _cli(cli.opscope_plan, tmp / 'q.csv', '--out', tmp / 'p.csv', '--seed', 41)   # stdout carries timings: not kept
+    plans = pd.read_csv(tmp / 'p.csv')
+    out['plan_out'] = plans.drop(columns=[c for c in TIMED + ['est_speedup'] if c in plans.columns])   # est: measured machine
+    return out
+
+def compute()->dict:
+    "name -> DataFrame or text, every golden output."
+    torch.manual_seed(0)
+    got = {}
+    for name, case in CASES.items():
+        t = time.time()
+        sketches = case(); t1 = time.time()
+        got[f'{name}_findings'], got[f'{name}_plans'] = findings_and_plans(sketches, PLAN_SITES.get(name, ''))
+        print(f'{name}: record {t1 - t:.1f}s, mine+plan {time.time() - t1:.1f}s', file=sys.stderr)
+    t = time.time()
+    with tempfile.TemporaryDirectory() as tmp: got.update({f'cli_{k}': v for k, v in cli_case(tmp).items()})
+    print(f'cli: {time.time() - t:.1f}s', file=sys.stderr)
+    return got
+
+def write(got:dict, folder=HERE):
+    for k, v in got.items():
+        if isinstance(v, str): (Path(folder) / f'{k}.txt').write_text(v)
+        else: v.to_csv(Path(folder) / f'{k}.csv', index=False)
+
+if __name__ == '__main__':
+    torch.set_num_threads(1)
+    got = compute()
+    write(got)
+    for k, v in got.items(): print(k, len(v) if not isinstance(v, str) else f'{len(v.splitlines())} lines')
