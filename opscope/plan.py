@@ -375,6 +375,20 @@ def _plan_row(sk, run, site, exploit, frows, machine, weights, seed):
     if row['measured_speedup'] < 1: row['note'] = f"{NOT_WORTH_IT}: {row['note']}"
     return row
 
+# %% ../nbs/07_plan.ipynb #d4e1f0a1
+EXPERT_SITE = re.compile(r'\.expert\d+$')   # `inject.expert_site`'s names: one expert of a grouped matmul
+
+def _not_linear(sk, run, site):
+    "Why the kernels here (a linear layer's, over an N×K weight) do not fit `site`, or None when they do."
+    if EXPERT_SITE.search(site): return "one expert of a grouped matmul: its rows are routed per call, and specialize rewrites linear layers only"
+    t = sk[(sk.run_id.astype(str) == run) & (sk.site.astype(str) == site)]
+    n = lambda role, stat: t[(t.role == role) & (t.stat == stat)].groupby('step').size().max()
+    K, N, wr, wc = n('lhs', 'chan_absmax'), n('out', 'chan_absmax'), n('rhs', 'row_energy'), n('rhs', 'chan_absmax')
+    if (wr, wc) != (N, K):
+        return (f"its rhs is {wr}×{wc}, not the {N}×{K} weight of a linear layer over its {K} lhs channels (a convolution's "
+                "implicit GEMM, a batched or stacked weight, or an activation product): the kernels here are linear layers'")
+    return None
+
 # %% ../nbs/07_plan.ipynb #46864594
 def plan(sketches_df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. from `record` or `read_sketches`
          findings_df:pd.DataFrame=None, # `miner.mine(sketches_df)` (computed when None)
@@ -395,14 +409,19 @@ def plan(sketches_df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. fro
         else stationary_taps(sketches_df)
     weights = {k.rsplit('/', 1)[0] if k.endswith('/rhs') else k: v for k, v in weights.items()} if weights else None
     machine = machine or measure_machine()
-    rows = []
+    rows, skipped = [], []
     for run in pd.unique(sketches_df.run_id.astype(str)):
         for site in pd.unique(sketches_df.loc[sketches_df.run_id.astype(str) == run, 'site'].astype(str)):
-            for exploit, frows in _candidates(f, stat_taps, run, site, weights):
+            cands = _candidates(f, stat_taps, run, site, weights)
+            why = _not_linear(sketches_df, run, site) if cands else None
+            if why: skipped.append(dict(run_id=run, site=site, exploits=' '.join(e for e, _ in cands), reason=why)); continue
+            for exploit, frows in cands:
                 try: rows.append(_plan_row(sketches_df, run, site, exploit, frows, machine, weights, seed))
                 except Exception as e: raise type(e)(f"planning {exploit} at site {site!r} of run {run!r}: {e}") from e
     out = pd.DataFrame(rows, columns=PLAN_COLUMNS)
-    return out.astype({'exact': bool}) if len(out) else out
+    out = out.astype({'exact': bool}) if len(out) else out
+    out.attrs['skipped'] = skipped   # sites the kernels do not fit: dicts of run_id, site, exploits, reason (a list: pandas compares attrs)
+    return out
 
 # %% ../nbs/07_plan.ipynb #df903fb1
 class GuardedLinear(nn.Module):
@@ -424,14 +443,14 @@ class GuardedLinear(nn.Module):
 
 def _linear_params(gm, s):
     "(weight, bias) of a linear site whose weight is a parameter; a clear error otherwise."
-    if s.node.op == 'call_module':
+    if s.node.op == 'call_module' and isinstance(gm.get_submodule(s.node.target), nn.Linear):
         m = gm.get_submodule(s.node.target)
         return m.weight, m.bias
     if s.op == 'linear' and isinstance(s.rhs, fx.Node) and s.rhs.op == 'get_attr':
         bn = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get('bias')
         return gm.get_parameter(s.rhs.target), (gm.get_parameter(bn.target) if isinstance(bn, fx.Node) else None)
     raise NotImplementedError(f"site {s.name} ({s.node.format_node()}): specialize rewrites nn.Linear / F.linear sites "
-                              "with a parameter weight only")
+                              f"with a parameter weight only, not a {s.kind} site ({s.op})")
 
 # %% ../nbs/07_plan.ipynb #526a4ae4
 def choose(plan_df:pd.DataFrame, # from `plan`
@@ -531,7 +550,8 @@ def check_specialized(gm:fx.GraphModule, sgm:fx.GraphModule, # the original and 
 # %% ../nbs/07_plan.ipynb #f28960a4
 def format_plan(p:pd.DataFrame)->str:
     "Aligned text, one line per plan row: site, the planned stat, guard with stability, est and measured speedup."
-    if p.empty: return 'nothing to plan: no finding has a kernel here'
+    skipped = [f"skipped {s['site']} ({s['exploits']}): {s['reason']}" for s in p.attrs.get('skipped', [])]
+    if p.empty: return '\n'.join(['nothing to plan: no finding has a kernel here'] + skipped)
     multi = p.run_id.nunique() > 1
     cols = []
     for r in p.itertuples():
@@ -542,4 +562,4 @@ def format_plan(p:pd.DataFrame)->str:
         cols.append([site, r.exploit, what, guard, f'est {r.est_speedup:.2g}×', f'measured {r.measured_speedup:.2g}×',
                      f'({r.dense_ms:.3f} → {r.special_ms:.3f} ms)', r.note])
     w = [max(len(c[i]) for c in cols) for i in range(len(cols[0]) - 1)]
-    return '\n'.join('  '.join([c[i].ljust(w[i]) for i in range(len(w))] + [c[-1]]).rstrip() for c in cols)
+    return '\n'.join(['  '.join([c[i].ljust(w[i]) for i in range(len(w))] + [c[-1]]).rstrip() for c in cols] + skipped)
