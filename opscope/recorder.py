@@ -372,7 +372,7 @@ def _mask_node(inj, mask=None):
     g = inj.graph
     last = [n for n in g.nodes if n.op == 'placeholder'][-1]   # new nodes go after every input
     if mask is not None:
-        if mask.dim() != 2: raise ValueError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
+        if mask.dim() != 2: raise InputError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
         inj.register_buffer(MASK_BUFFER, mask.detach().clone(), persistent=False)
         with g.inserting_after(last): node = last = g.get_attr(MASK_BUFFER)
         shape = tuple(mask.shape)
@@ -411,13 +411,13 @@ def _apply_mask(inj, mask=None):
 
 def _set_mask(inj, mask):
     "Copy this step's `attention_mask` into the graph's mask buffer (in place when the shape is the same, so a compiled graph keeps reading it)."
-    if mask.dim() != 2: raise ValueError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
+    if mask.dim() != 2: raise InputError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
     buf = inj.get_buffer(MASK_BUFFER)
     if buf.shape == mask.shape: buf.copy_(mask)
     else: setattr(inj, MASK_BUFFER, mask.detach().clone())
 
 # %% ../nbs/02_recorder.ipynb #b925b84b
-GATE_EPS = 4   # a decomposed graph in half precision may differ from the fused model by this many machine epsilons (measured in the runners notebook: up to 1.4)
+GATE_EPS = 4   # a decomposed graph in half precision may differ from the fused model by this many machine epsilons (the runners notebook measures the spread on four decoders)
 GATE_TOL = {torch.bfloat16: (GATE_EPS * torch.finfo(torch.bfloat16).eps,) * 2,   # (rtol, atol): 0.03125
             torch.float16: (GATE_EPS * torch.finfo(torch.float16).eps,) * 2}     # 0.00390625
 
@@ -504,7 +504,9 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
     except StopIteration: raise ValueError("record needs at least one batch") from None
     args, kwargs = _call_args(first)
     masks = _mask_steps(attention_mask)
-    mask = next(masks) if masks is not None else None
+    mask = next(masks, None) if masks is not None else None
+    if masks is not None and mask is None: raise InputError("attention_mask is an empty list: give one mask per batch (or one for all)")
+    if mask is not None: mask = mask.to(_device(args, kwargs))      # the mask buffer lives with the inputs
     gm = trace(model, *args, **kwargs)
     if 'matmul' in ((taps,) if isinstance(taps, str) else tuple(taps)): _warn_coverage(gm, args, kwargs)
     inj = _inject(gm, taps, bins, mask)
@@ -524,7 +526,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
             args, kwargs = _call_args(batch)
             if masks is not None:
                 mask = mask if i == 0 else next(masks, None)
-                if mask is None: raise ValueError(f"attention_mask ran out after {i} steps; give one mask per batch (or one for all)")
+                if mask is None: raise InputError(f"attention_mask ran out after {i} steps; give one mask per batch (or one for all)")
                 _set_mask(inj, mask)
             with torch.no_grad():
                 if i == 0 or gate_every: _, stats = eager_gate(lambda: model(*args, **kwargs), lambda: inj(*args, **kwargs),
