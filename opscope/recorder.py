@@ -329,8 +329,8 @@ TAP_KINDS = ('matmul',) + INFER_KINDS
 MASK_BUFFER = '_opscope_attention_mask'   # the buffer that carries `record(..., attention_mask=)` into a graph with no mask input
 ROW_OPS = {'linear', 'matmul', 'mm', 'addmm'}  # ops whose operand rows can be the tokens of a (batch, tokens) mask
 
-def _inject(gm, taps, bins, mask=None):
-    "`gm` with the passes `taps` asks for applied (and `mask`, if given, carried in a buffer); a clear error when the model has none of those sites."
+def _inject(gm, taps, bins, mask=None, rows=True):
+    "`gm` with the passes `taps` asks for applied (and `mask`, if given, carried in a buffer; `rows=False`: the mask reaches the attention taps only); a clear error when the model has none of those sites."
     taps = (taps,) if isinstance(taps, str) else tuple(taps)
     bad = [t for t in taps if t not in TAP_KINDS]
     if bad or not taps: raise ValueError(f"taps must be some of {', '.join(TAP_KINDS)}, not {', '.join(map(repr, bad)) or 'nothing'}")
@@ -339,7 +339,7 @@ def _inject(gm, taps, bins, mask=None):
     if infer and (has_sdpa or infer_sites(gm, infer)): inj = inject_infer_stats(gm, infer)
     if 'matmul' in taps and (inj is gm or matmul_sites(inj)): inj = inject_matmul_stats(inj, bins=bins)
     if inj is gm: raise ValueError(f"no {' or '.join(taps)} sites in {type(gm).__name__}")
-    return _apply_mask(inj, mask)
+    return _apply_mask(inj, mask, rows)
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b1
 def _token_mask(mask, cache_position=None):
@@ -393,8 +393,8 @@ def _token_rows(shape, uses, B, T):
     if any(r not in ('lhs', 'out') or op not in ROW_OPS for r, op in uses): return False   # a weight, a key or value operand: not the queries
     return shape[0] == B * T if len(shape) == 2 else shape[0] == B and shape[-2] == T
 
-def _apply_mask(inj, mask=None):
-    "Hand the (batch, tokens) mask to the taps: attention taps leave padded query rows out, matmul taps whose rows are tokens sketch the real tokens only."
+def _apply_mask(inj, mask=None, rows=True):
+    "Hand the (batch, tokens) mask to the taps: attention taps leave padded query rows out, matmul taps whose rows are tokens (if `rows`) sketch the real tokens only."
     node, shape = _mask_node(inj, mask)
     if node is None: return inj
     man = getattr(inj, 'manifest', None)
@@ -403,7 +403,7 @@ def _apply_mask(inj, mask=None):
     for n in list(inj.graph.nodes):
         if n.op != 'call_function': continue
         if n.target is attn_sketch and 'queries' not in n.kwargs: n.kwargs = {**n.kwargs, 'queries': node}
-        elif n.target is _sketch_node and n.args[0].op != 'get_attr' and _token_rows(_meta_shape(n.args[0]), uses.get(n.args[0].name), *shape):
+        elif rows and n.target is _sketch_node and n.args[0].op != 'get_attr' and _token_rows(_meta_shape(n.args[0]), uses.get(n.args[0].name), *shape):
             n.target, n.args = masked_sketch, (n.args[0], node, *n.args[1:])
     inj.meta['opscope_masked'] = sum(n.target is masked_sketch for n in inj.graph.nodes)
     inj.graph.lint(); inj.recompile()
