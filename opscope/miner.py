@@ -51,7 +51,7 @@ def _hist_features(df):
     return pd.DataFrame({'kurtosis_all': (m.w4 / m.w) / (m.w2 / m.w) ** 2})
 
 def _row_features(df):
-    r = df.loc[df.stat == 'row_energy', KEYS + ['step', 'value']].copy()
+    r = df.loc[(df.stat == 'row_energy') & df.value.notna(), KEYS + ['step', 'value']].copy()   # NaN: not a row (padding, another expert's token)
     r['e2'] = r.value ** 2
     g = r.groupby(KEYS + ['step'], observed=True).e2
     mean = g.mean()

@@ -44,7 +44,7 @@ def hist_steps(d:pd.DataFrame)->pd.DataFrame:
 
 def row_steps(d:pd.DataFrame)->pd.DataFrame:
     "Per (tap, step): row-energy dispersion `cv2`, `rows` and `rows90` (share of rows holding 90% of the energy)."
-    r = _base(d); r = r[r.stat == 'row_energy']
+    r = _base(d); r = r[(r.stat == 'row_energy') & r.value.notna()]   # NaN: not a row (padding, another expert's token)
     r = r[G].assign(e2=r.value ** 2)
     g = r.groupby(G, observed=True).e2
     out = pd.DataFrame({'cv2': g.var(ddof=0) / g.mean() ** 2, 'rows': g.size().astype(float)})

@@ -291,17 +291,38 @@ def _plain(sketches):
     return sketches.astype({c: str for c in TEXT_COLUMNS if c in sketches})
 
 
+# %% ../nbs/07_plan.ipynb #d4e1f0a1
+EXPERT_SITE = re.compile(r'\.expert\d+$')   # `inject.expert_site`'s names: one expert of a grouped matmul
+
+def _not_linear(s, site):
+    "Why the kernels here (a linear layer's, over an N×K weight) do not fit `site`, or None when they do."
+    if EXPERT_SITE.search(site): return "one expert of a grouped matmul: its rows are routed per call, and specialize rewrites linear layers only"
+    t = s[s.site == site]
+    n = lambda role, stat: t[(t.role == role) & (t.stat == stat)].groupby('step').size().max()
+    K, N, wr, wc = n('lhs', 'chan_absmax'), n('out', 'chan_absmax'), n('rhs', 'row_energy'), n('rhs', 'chan_absmax')
+    if (wr, wc) != (N, K):
+        return (f"its rhs is {wr}×{wc}, not the {N}×{K} weight of a linear layer over its {K} lhs channels (a convolution's "
+                "implicit GEMM, a batched or stacked weight, or an activation product): the kernels here are linear layers'")
+    return None
+
 # %% ../nbs/07_plan.ipynb #883afca1
 def _site_rows(s, findings, stat_taps, run, site, weights, names, machine, seed):
-    "The plan rows of one site: every exploit in `names` whose record finds evidence there."
-    g, rows, shape, ev = findings[(findings.run_id == run) & (findings.site == site)], [], None, None
+    "The plan rows of one site (every exploit in `names` whose record finds evidence there), and why the site is skipped (None: it is not)."
+    g, cands, shape, ev = findings[(findings.run_id == run) & (findings.site == site)], [], None, None
     for name in names:
         try:
             if ev is None: shape = _site_shape(s, site); ev = _evidence(s, stat_taps, run, site, shape, weights)
             fields = REGISTRY[name].evidence(g, ev)
-            if fields is not None: rows.append(_plan_row(s, run, site, name, fields, shape, machine, seed))
+            if fields is not None: cands.append((name, fields))
         except Exception as e: raise type(e)(f"planning {name} at site {site!r} of run {run!r}: {e}") from e
-    return rows
+    why = _not_linear(s, site) if cands else None
+    if why: return [], dict(run_id=run, site=site, exploits=' '.join(n for n, _ in cands), reason=why)
+    rows = []
+    for name, fields in cands:
+        try: rows.append(_plan_row(s, run, site, name, fields, shape, machine, seed))
+        except Exception as e: raise type(e)(f"planning {name} at site {site!r} of run {run!r}: {e}") from e
+    return rows, None
+
 
 # %% ../nbs/07_plan.ipynb #80a1898f
 def plan(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. from `record` or `read_sketches`
@@ -319,12 +340,17 @@ def plan(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. from `
     stat_taps = findings.loc[findings.exploit == 'stationary', ['run_id', 'site', 'role']] \
         if (findings.exploit == 'stationary').any() else stationary_taps(sketches)
     weights = {k.rsplit('/', 1)[0] if k.endswith('/rhs') else k: v for k, v in weights.items()} if weights else None
-    machine, rows = machine or measure_machine(), []
+    machine, rows, skipped = machine or measure_machine(), [], []
     for run in pd.unique(sketches.run_id):
         s = sketches[sketches.run_id == run]
-        for site in pd.unique(s.site): rows += _site_rows(s, findings, stat_taps, run, site, weights, names, machine, seed)
+        for site in pd.unique(s.site):
+            got, why = _site_rows(s, findings, stat_taps, run, site, weights, names, machine, seed)
+            rows += got
+            if why: skipped.append(why)
     plans = pd.DataFrame(rows, columns=PLAN_COLUMNS)
-    return plans.astype({'exact': bool}) if len(plans) else plans
+    plans = plans.astype({'exact': bool}) if len(plans) else plans
+    plans.attrs['skipped'] = skipped   # sites the kernels do not fit: dicts of run_id, site, exploits, reason (a list: pandas compares attrs)
+    return plans
 
 # %% ../nbs/07_plan.ipynb #df903fb1
 class GuardedLinear(nn.Module):
@@ -346,14 +372,14 @@ class GuardedLinear(nn.Module):
 
 def _linear_params(gm, s):
     "(weight, bias) of a linear site whose weight is a parameter; a clear error otherwise."
-    if s.node.op == 'call_module':
+    if s.node.op == 'call_module' and isinstance(gm.get_submodule(s.node.target), nn.Linear):
         m = gm.get_submodule(s.node.target)
         return m.weight, m.bias
     if s.op == 'linear' and isinstance(s.rhs, fx.Node) and s.rhs.op == 'get_attr':
         bn = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get('bias')
         return gm.get_parameter(s.rhs.target), (gm.get_parameter(bn.target) if isinstance(bn, fx.Node) else None)
     raise NotImplementedError(f"site {s.name} ({s.node.format_node()}): specialize rewrites nn.Linear / F.linear sites "
-                              "with a parameter weight only")
+                              f"with a parameter weight only, not a {s.kind} site ({s.op})")
 
 # %% ../nbs/07_plan.ipynb #526a4ae4
 def choose(plans:pd.DataFrame, # from `plan`
@@ -454,7 +480,8 @@ def check_specialized(gm:fx.GraphModule, sgm:fx.GraphModule, # the original and 
 # %% ../nbs/07_plan.ipynb #f28960a4
 def format_plan(plans:pd.DataFrame)->str:
     "Aligned text, one line per plan row: site, the planned stat, guard with stability, est and measured speedup."
-    if plans.empty: return 'nothing to plan: no finding has a kernel here'
+    skipped = [f"skipped {s['site']} ({s['exploits']}): {s['reason']}" for s in plans.attrs.get('skipped', [])]
+    if plans.empty: return '\n'.join(['nothing to plan: no finding has a kernel here'] + skipped)
     multi = plans.run_id.nunique() > 1
     cols = []
     for r in plans.itertuples():
@@ -465,4 +492,4 @@ def format_plan(plans:pd.DataFrame)->str:
         cols.append([site, r.exploit, what, guard, f'est {r.est_speedup:.2g}×', f'measured {r.measured_speedup:.2g}×',
                      f'({r.dense_ms:.3f} → {r.special_ms:.3f} ms)', r.note])
     w = [max(len(c[i]) for c in cols) for i in range(len(cols[0]) - 1)]
-    return '\n'.join('  '.join([c[i].ljust(w[i]) for i in range(len(w))] + [c[-1]]).rstrip() for c in cols)
+    return '\n'.join(['  '.join([c[i].ljust(w[i]) for i in range(len(w))] + [c[-1]]).rstrip() for c in cols] + skipped)

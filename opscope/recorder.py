@@ -6,7 +6,7 @@
 from __future__ import annotations
 import os, re, shutil, warnings, zlib
 from urllib.parse import quote
-from itertools import chain
+from itertools import chain, repeat
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -15,11 +15,13 @@ import torch.fx as fx
 from .tables import InputError, MissingError, atomic_write, require_columns, as_strings, dataset_files
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
-from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch
+from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch, sketch_rows, _sketch_node, _meta_shape
+from .shapes import coverage, coverage_warning
+
 
 # %% auto #0
-__all__ = ['COMMIT_SUFFIX', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'read_sketches', 'eager_gate', 'Recorded', 'record',
-           'sweep']
+__all__ = ['COMMIT_SUFFIX', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'read_sketches', 'masked_sketch',
+           'gate_tolerance', 'eager_gate', 'Recorded', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -294,9 +296,11 @@ def _device(args, kwargs):
 
 # %% ../nbs/02_recorder.ipynb #778e0dd3
 TAP_KINDS = ('matmul',) + INFER_KINDS
+MASK_BUFFER = '_opscope_attention_mask'   # the buffer that carries `record(..., attention_mask=)` into a graph with no mask input
+ROW_OPS = {'linear', 'matmul', 'mm', 'addmm'}  # ops whose operand rows can be the tokens of a (batch, tokens) mask
 
-def _inject(gm, taps, bins):
-    "`gm` with the passes `taps` asks for applied; a clear error when the model has none of those sites."
+def _inject(gm, taps, bins, mask=None, rows=True):
+    "`gm` with the passes `taps` asks for applied (and `mask`, if given, carried in a buffer; `rows=False`: the mask reaches the attention taps only); a clear error when the model has none of those sites."
     taps = (taps,) if isinstance(taps, str) else tuple(taps)
     bad = [t for t in taps if t not in TAP_KINDS]
     if bad or not taps: raise InputError(f"taps must be some of {', '.join(TAP_KINDS)}, not {', '.join(map(repr, bad)) or 'nothing'}")
@@ -305,18 +309,94 @@ def _inject(gm, taps, bins):
     if infer and (has_sdpa or infer_sites(gm, infer)): inj = inject_infer_stats(gm, infer)
     if 'matmul' in taps and (inj is gm or matmul_sites(inj)): inj = inject_matmul_stats(inj, bins=bins)
     if inj is gm: raise InputError(f"no {' or '.join(taps)} sites in {type(gm).__name__}")
-    return _mask_queries(inj)
+    return _apply_mask(inj, mask, rows)
 
-def _mask_queries(inj):
-    "Pass the graph's `attention_mask` input (if any) to every attention tap, so padded query rows are not counted."
-    mask = next((n for n in inj.graph.nodes if n.op == 'placeholder' and n.target == 'attention_mask'), None)
-    taps = [n for n in inj.graph.nodes if n.op == 'call_function' and n.target is attn_sketch and 'queries' not in n.kwargs]
-    if mask is None or not taps: return inj
-    for n in taps: n.kwargs = {**n.kwargs, 'queries': mask}
+
+# %% ../nbs/02_recorder.ipynb #a5c1e0b1
+def _token_mask(mask, cache_position=None):
+    "This call's (batch, tokens) mask: `mask` itself, or its columns at `cache_position` (a KV-cache step, whose mask spans the cache)."
+    return mask if cache_position is None else mask.index_select(1, cache_position)
+
+def _row_keep(mask, x):
+    "True per row of `x` (viewed as rows × channels) whose token is real: `x` is (batch, tokens, C), (batch, heads, tokens, C) or (batch·tokens, C)."
+    m = mask != 0
+    if x.dim() == 2: return m.reshape(-1)
+    return m.reshape(m.shape[0], *([1] * (x.dim() - 3)), m.shape[1]).expand(x.shape[:-1]).reshape(-1)
+
+def _aligned(mask, x):
+    "Whether `x`'s rows are `mask`'s tokens (a later batch of another shape is sketched whole)."
+    if x.dim() == 2: return x.shape[0] == mask.numel()
+    return x.dim() >= 3 and x.shape[0] == mask.shape[0] and x.shape[-2] == mask.shape[1]
+
+def masked_sketch(x:torch.Tensor, # a tapped tensor whose rows are tokens
+                  mask:torch.Tensor, # (batch, tokens), 0 at padded tokens
+                  bins:int=64, # histogram bins
+                 )->tuple:
+    "`sketch` of the real-token rows of `x` only (`sketch_rows`): padded rows add nothing to any statistic and their `row_energy` is NaN."
+    return sketch_rows(x, _row_keep(mask, x), bins) if _aligned(mask, x) else _sketch_node(x, bins)
+
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3
+def _placeholder(inj, name): return next((n for n in inj.graph.nodes if n.op == 'placeholder' and n.target == name), None)
+
+def _mask_node(inj, mask=None):
+    "The node holding this call's (batch, tokens) mask and that shape: a buffer with `mask` (given to `record`), else the graph's 2-D `attention_mask` input; (None, None) without one."
+    g = inj.graph
+    last = [n for n in g.nodes if n.op == 'placeholder'][-1]   # new nodes go after every input
+    if mask is not None:
+        if mask.dim() != 2: raise InputError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
+        inj.register_buffer(MASK_BUFFER, mask.detach().clone(), persistent=False)
+        with g.inserting_after(last): node = last = g.get_attr(MASK_BUFFER)
+        shape = tuple(mask.shape)
+    else:
+        node = _placeholder(inj, 'attention_mask')
+        shape = _meta_shape(node) if node is not None else None
+    if shape is None or len(shape) != 2: return None, None
+    cache = _placeholder(inj, 'cache_position')
+    cs = _meta_shape(cache) if cache is not None else None
+    if cs is not None and len(cs) == 1:          # a KV-cache step (`runners.StaticDecoder`): the mask spans the cache
+        with g.inserting_after(last): node = g.call_function(_token_mask, (node, cache))
+        shape = (shape[0], cs[0])
+    return node, shape
+
+def _token_rows(shape, uses, B, T):
+    "Whether a tapped tensor of `shape`, tapped as `uses` ((role, op) pairs), has the mask's tokens as its rows."
+    if shape is None or len(shape) < 2 or not uses: return False
+    if any(r not in ('lhs', 'out') or op not in ROW_OPS for r, op in uses): return False   # a weight, a key or value operand: not the queries
+    return shape[0] == B * T if len(shape) == 2 else shape[0] == B and shape[-2] == T
+
+def _apply_mask(inj, mask=None, rows=True):
+    "Hand the (batch, tokens) mask to the taps: attention taps leave padded query rows out, matmul taps whose rows are tokens (if `rows`) sketch the real tokens only."
+    node, shape = _mask_node(inj, mask)
+    if node is None: return inj
+    man = getattr(inj, 'manifest', None)
+    man = man[man.role.isin(['lhs', 'rhs', 'out'])] if man is not None else []   # the matmul taps (an attention tap reads the mask itself)
+    uses = {t: set(zip(d.role, d.op)) for t, d in man.groupby('tensor')} if len(man) else {}
+    for n in list(inj.graph.nodes):
+        if n.op != 'call_function': continue
+        if n.target is attn_sketch and 'queries' not in n.kwargs: n.kwargs = {**n.kwargs, 'queries': node}
+        elif rows and n.target is _sketch_node and n.args[0].op != 'get_attr' and _token_rows(_meta_shape(n.args[0]), uses.get(n.args[0].name), *shape):
+            n.target, n.args = masked_sketch, (n.args[0], node, *n.args[1:])
+    inj.meta['opscope_masked'] = sum(n.target is masked_sketch for n in inj.graph.nodes)
     inj.graph.lint(); inj.recompile()
     return inj
 
+def _set_mask(inj, mask):
+    "Copy this step's `attention_mask` into the graph's mask buffer (in place when the shape is the same, so a compiled graph keeps reading it)."
+    if mask.dim() != 2: raise InputError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
+    buf = inj.get_buffer(MASK_BUFFER)
+    if buf.shape == mask.shape: buf.copy_(mask)
+    else: setattr(inj, MASK_BUFFER, mask.detach().clone())
+
 # %% ../nbs/02_recorder.ipynb #b925b84b
+GATE_EPS = 4   # a decomposed graph in half precision may differ from the fused model by this many machine epsilons (the runners notebook measures the spread on four decoders)
+GATE_TOL = {torch.bfloat16: (GATE_EPS * torch.finfo(torch.bfloat16).eps,) * 2,   # (rtol, atol): 0.03125
+            torch.float16: (GATE_EPS * torch.finfo(torch.float16).eps,) * 2}     # 0.00390625
+
+def gate_tolerance(dtype:torch.dtype, # the primary output's dtype
+                  )->tuple:
+    "(rtol, atol) within which a graph with decomposed attention must match the eager model: `GATE_TOL` for half types, SDPA_RTOL/ATOL otherwise."
+    return GATE_TOL.get(dtype, (SDPA_RTOL, SDPA_ATOL))
+
 def _first_float(x):
     return next((t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
@@ -326,28 +406,27 @@ def _decomposed(gm, inj):
 
 def eager_gate(reference, # () -> the eager model's output on the step's inputs
                injected, # () -> (primary, stats) of the injected graph on the same inputs
-               decomposed:int=0, # ops opscope decomposed (SDPA): compare within SDPA_RTOL/ATOL instead of bit for bit
+               decomposed:int=0, # ops opscope decomposed (SDPA, MHA): compare within `gate_tolerance` of the output's dtype instead of bit for bit
                step:int=0, # the step, for the messages
               ):
     "`injected()`, checked against `reference()`: raise if the trace does not reproduce the model; warn on a constant output."
     with torch.no_grad():
         ref = reference()
         got, stats = injected()
-    if not _same(ref, got, (SDPA_RTOL, SDPA_ATOL) if decomposed else None):
-        a, b = _first_float(ref), _first_float(got)
-        diff = f" (max |difference| {(a - b).abs().max().item():.3g})" if a is not None and b is not None and a.shape == b.shape else ""
+    a, b = _first_float(ref), _first_float(got)
+    tol = gate_tolerance(a.dtype if a is not None else torch.float32) if decomposed else None
+    if not _same(ref, got, tol):
+        diff = f" (max |difference| {(a.float() - b.float()).abs().max().item():.3g})" if a is not None and b is not None and a.shape == b.shape else ""
         raise AssertionError(
             f"correctness gate failed at step {step}: the traced graph does not reproduce the eager model{diff}"
-            + (f" beyond rtol={SDPA_RTOL}, atol={SDPA_ATOL} ({decomposed} SDPA call(s) decomposed)" if decomposed else "")
+            + (f" beyond rtol={tol[0]:.3g}, atol={tol[1]:.3g} ({decomposed} attention call(s) decomposed, output {a.dtype})" if decomposed else "")
             + ". A trace freezes one path through forward: a branch on Python state (a call counter, a flag, an "
               "attribute set during a call) or on data (`if x.sum() > 0`) is replayed, not re-evaluated. Write the "
               "branch as a tensor op (torch.where) or keep the state out of forward.")
-    a = _first_float(ref)
     if a is not None and a.numel() and bool((a == a.reshape(-1)[0]).all()):
         warnings.warn(f"correctness gate at step {step}: the model's output is constant ({a.reshape(-1)[0].item():g} "
                       "everywhere), so the gate proves nothing about the graph; check the inputs and the weights")
     return got, stats
-
 
 # %% ../nbs/02_recorder.ipynb #d7e3a15c
 class Recorded:
@@ -364,6 +443,17 @@ class Recorded:
         return read_sketches(self.path)
     def __repr__(self): return f"Recorded({self.rows:,} rows, {self.steps} steps, {len(self.sites)} sites → {self.path})"
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b5
+def _mask_steps(attention_mask):
+    "An iterator over each step's mask: the one tensor repeated, or the given masks in turn; None without a mask."
+    if attention_mask is None: return None
+    return repeat(attention_mask) if isinstance(attention_mask, torch.Tensor) else iter(attention_mask)
+
+def _warn_coverage(gm, args, kwargs):
+    "Warn (one line, `shapes.coverage_warning`) when less than `shapes.COVERAGE_MIN` of the graph's GEMM FLOPs would be tapped."
+    msg = coverage_warning(coverage(gm, *args, **kwargs))
+    if msg: warnings.warn(msg, stacklevel=3)
+
 # %% ../nbs/02_recorder.ipynb #10581c41
 def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
            batches, # iterable of tensors / tuples of inputs / dicts of keyword inputs; one step each
@@ -377,14 +467,20 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
            step_ids=None, # the step index of each batch (default 0, 1, 2, ...); a shard of a distributed run passes its global batch indices
            compile:bool=False, # run the injected graph under `torch.compile` (the gated steps run it eagerly)
            keep:bool=None, # also return every row (default: only without a sink; with one, memory holds one step)
+           attention_mask=None, # (batch, tokens), 0 at padding: one tensor for every step, or one per batch (default: the graph's own `attention_mask` input)
           ):
     "Record the sketches of every matmul, softmax and top-k of `model` over `batches`; the tidy rows, or with a sink (unless `keep`) a `Recorded` summary."
     it = iter(batches)
     try: first = next(it)
     except StopIteration: raise InputError("record needs at least one batch") from None
     args, kwargs = _call_args(first)
+    masks = _mask_steps(attention_mask)
+    mask = next(masks, None) if masks is not None else None
+    if masks is not None and mask is None: raise InputError("attention_mask is an empty list: give one mask per batch (or one for all)")
+    if mask is not None: mask = mask.to(_device(args, kwargs))      # the mask buffer lives with the inputs
     gm = trace(model, *args, **kwargs)
-    inj = _inject(gm, taps, bins)
+    if 'matmul' in ((taps,) if isinstance(taps, str) else tuple(taps)): _warn_coverage(gm, args, kwargs)
+    inj = _inject(gm, taps, bins, mask)
     run = compile_injected(inj) if compile else inj
     own = not isinstance(sink, Recorder) and sink is not None
     rec = Recorder(sink) if own else sink
@@ -399,6 +495,10 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
             step = next(ids, None)
             if step is None: raise InputError(f"step_ids ran out after {i} steps; give one step index per batch")
             args, kwargs = _call_args(batch)
+            if masks is not None:
+                mask = mask if i == 0 else next(masks, None)
+                if mask is None: raise InputError(f"attention_mask ran out after {i} steps; give one mask per batch (or one for all)")
+                _set_mask(inj, mask)
             with torch.no_grad():
                 if i == 0 or gate_every: _, stats = eager_gate(lambda: model(*args, **kwargs), lambda: inj(*args, **kwargs),
                                                                _decomposed(gm, inj), step=int(step))

@@ -129,7 +129,12 @@ def _step_graph(run, args, taps, bins):
         gm = trace(run, *args, how='export')
         msg = coverage_warning(coverage(gm, *head, [k.clone() for k in keys], [v.clone() for v in values])) if 'matmul' in taps else None
     if msg: warnings.warn(msg)
-    return _inject(gm, taps, bins)
+    return _inject(gm, taps, bins, rows=_padded(args))
+
+def _padded(args):
+    "Whether this call's tokens include padding (a host check when the graph is built): a decode step's never do, so its row taps skip the masked sketch."
+    _, mask, _, cache_position, *_ = args
+    return bool((mask.index_select(1, cache_position) == 0).any())
 
 def _gated(run, inj, args, step):
     "The injected graph's `(logits, stats)`, checked against the eager model run on a copy of the cache."

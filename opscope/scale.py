@@ -156,7 +156,7 @@ def _features_sql(con):
         b AS (SELECT {K}, step, max(idx) + 1 bins FROM h GROUP BY ALL),
         x AS (SELECT {K}, greatest(value, 0) w, (idx + 0.5) / bins * 2 - 1 c FROM h JOIN b USING ({K}, step))
         SELECT {K}, (sum(w * c^4) / sum(w)) / (sum(w * c^2) / sum(w))^2 kurtosis_all FROM x GROUP BY ALL""", _m.KEYS)
-    rows = _q(con, f"""WITH r AS (SELECT {K}, step, value^2 e2 FROM base WHERE stat = 'row_energy'),
+    rows = _q(con, f"""WITH r AS (SELECT {K}, step, value^2 e2 FROM base WHERE stat = 'row_energy' AND NOT isnan(value)),   -- NaN (or NULL): not a row
         w AS (SELECT *, sum(e2) OVER (PARTITION BY {K}, step ORDER BY e2 DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) before,
                         sum(e2) OVER (PARTITION BY {K}, step) total FROM r),
         s AS (SELECT {K}, step, var_pop(e2) / avg(e2)^2 cv2, count(*) n,
