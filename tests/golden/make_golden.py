@@ -6,7 +6,7 @@ used by any notebook. Columns that are wall-clock measurements (`dense_ms`, `spe
 dropped; the planner gets a fixed `MACHINE`, so its roofline estimate is deterministic.
 
 The files were written by the code just before the refactor (commit 6355fc6) plus the behaviour changes of issue
-#13 that landed beside it (commit 2e80235 of its branch): `plan` no longer plans the attention products of the
+#13 that landed beside it (commit fb0723e of its branch): `plan` no longer plans the attention products of the
 stepped run (their rhs is an activation, not a linear layer's weight), and a MiniLM batch's `attention_mask`
 reaches the row statistics (its projections' lhs histograms then count every real token's values, not a stride
 sample). Those are deliberate changes of behaviour, not of the refactor; everything else is 6355fc6's output.
