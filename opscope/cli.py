@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 from fastcore.script import call_parse, Param
 from .tables import InputError, atomic_write
-from .zoo import seq_model, stepped_sequence, mnist_mlp, mnist_batches, infer_workload, INFER_MODELS
+from .zoo import MODELS, INFER_MODELS, model_names, get_model, infer_workload
 from .recorder import Recorder, COMMIT_SUFFIX, record, read_sketches, sweep, SWEEP_SHAPES
 from .miner import mine, confirm_low_rank, step_table, drop_nonfinite_steps, KEYS, INFER_EXPLOITS
 from .probe import model_tensors, probe, probe_report, save_tensors, sweep_ranks, PROBE_MODELS
@@ -20,7 +20,6 @@ from .plan import plan, format_plan, format_channels, planned
 from .docs import docs_preview
 from .bench import bench_report, goal_table, save_report
 from .runners import load_factory, load_hf, read_prompts, record_hf
-from .zoo import MODELS, model_names
 
 
 # %% auto #0
@@ -287,6 +286,13 @@ def record_to(out:str, # OUT: a .csv or .parquet file, or a dataset directory
 SEQ_MAX_STEPS = 20_000     # the token stream is built in memory first: about 6 KiB per step
 MNIST_MAX_BATCHES = 937    # 60,000 MNIST training images in batches of 64
 
+def _record_zoo(cmd, name, what, n, lo, hi, why, seed, out, force):
+    "A recording CLI's body: check the count `n` and the seed, then record `n` steps of the registered zoo workload `name` to `out`."
+    with cli_errors(cmd):
+        in_range(what, n, lo, hi, why)
+        in_range('--seed', seed, 0, SEED_MAX)
+        record_to(out, lambda: get_model(name).workload(n, seed), name, get_model(name).dist, cmd, force)
+
 @call_parse
 def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                 steps:Param('calls: one prefill, then decode calls', int, opt=False, nargs='?')=16,
@@ -294,10 +300,7 @@ def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a 
                 force:bool=False, # replace an existing OUT
                ):
     "Record a decode-like stepped run of the causal zoo transformer to OUT."
-    with cli_errors('opscope-seq'):
-        in_range('STEPS', steps, 2, SEQ_MAX_STEPS, "a prefill and decode calls; the token stream is built in memory")
-        in_range('--seed', seed, 0, SEED_MAX)
-        record_to(out, lambda: (seq_model(), stepped_sequence(steps, seed=seed)), 'seq', 'seq', 'opscope-seq', force)
+    _record_zoo('opscope-seq', 'seq', 'STEPS', steps, 2, SEQ_MAX_STEPS, "a prefill and decode calls; the token stream is built in memory", seed, out, force)
 
 @call_parse
 def opscope_mnist(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
@@ -306,10 +309,7 @@ def opscope_mnist(out:str, # the sketches to write: a .csv or .parquet file, or 
                   force:bool=False, # replace an existing OUT
                  ):
     "Record the MNIST MLP on real MNIST pixels to OUT."
-    with cli_errors('opscope-mnist'):
-        in_range('BATCHES', batches, 1, MNIST_MAX_BATCHES, "60,000 MNIST training images in batches of 64")
-        in_range('--seed', seed, 0, SEED_MAX)
-        record_to(out, lambda: (mnist_mlp(), mnist_batches(batches, seed=seed)), 'mnist', 'mnist', 'opscope-mnist', force)
+    _record_zoo('opscope-mnist', 'mnist', 'BATCHES', batches, 1, MNIST_MAX_BATCHES, "60,000 MNIST training images in batches of 64", seed, out, force)
 
 # %% ../nbs/09_cli.ipynb #bd0de43e
 MAX_LAYERS = 256   # a 256-layer zoo MLP takes seconds to build and trace; 10^8 layers would exhaust memory
