@@ -18,11 +18,11 @@ from torch.fx.passes.shape_prop import ShapeProp
 # %% auto #0
 __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
            'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX',
-           'SKETCH_REGION_SHAPES', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL',
-           'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name', 'expert_site', 'site_names', 'matmul_sites',
-           'sketch', 'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows', 'inject_matmul_stats',
-           'compile_injected', 'gate', 'attn_sketch', 'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites',
-           'inject_infer_stats']
+           'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL',
+           'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name', 'expert_site', 'site_names',
+           'matmul_sites', 'sketch', 'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows',
+           'inject_matmul_stats', 'compile_injected', 'gate', 'attn_sketch', 'gate_sketch', 'decompose_sdpa',
+           'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -335,9 +335,25 @@ def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); 
 SKETCH_REGION_SHAPES = 256  # distinct tapped-tensor shapes one compiled graph may hold (torch's default, 8, is too few)
 _sketch_region = torch.compiler.nested_compile_region(_packed, max_reuse_entries=SKETCH_REGION_SHAPES)
 
+def _sketch_impl(x:torch.Tensor, bins:int)->torch.Tensor:
+    "The packed sketch as one opaque operator: a compiler traces one node per tap, which runs the eager sketch's kernels."
+    return _packed(x, bins)
+
+def _sketch_fake(x, bins):
+    "The operator's output shape and dtype, from `x`'s alone (no data)."
+    R, C = (math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else (1, 1)
+    return x.new_empty(len(SCALARS) + bins + 2 * C + R, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+if not hasattr(torch.ops.opscope, 'sketch'):   # registered once per process (this module and its notebook both define it)
+    torch.library.custom_op('opscope::sketch', _sketch_impl, mutates_args=()).register_fake(_sketch_fake)
+_sketch_op = torch.ops.opscope.sketch
+
+SKETCH_KERNELS = 'inductor'  # under torch.compile: 'inductor' traces each sketch (a nested region, once per shape) for Inductor to fuse; 'op' runs it as the opaque `opscope::sketch`
+
 def _sketch_node(x, bins):
-    "The graph's sketch node: the packed sketch as a nested compile region, so `torch.compile` compiles it once per tensor shape, not once per tap."
-    return _sketch_region(x, bins)
+    "The graph's sketch node: the packed sketch, as `opscope::sketch` or (`SKETCH_KERNELS='inductor'`) a nested compile region traced once per tensor shape."
+    if torch.compiler.is_compiling() and SKETCH_KERNELS == 'inductor': return _sketch_region(x, bins)
+    return _sketch_op(x.detach(), bins) if torch.compiler.is_compiling() else _packed(x, bins)
 
 def _unpack_node(flat, x, bins):
     "The graph's unpack node: the tap's packed sketch as the `STATS` tuple."
@@ -814,15 +830,59 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
     _install_refresh(new)
     return new
 
+# %% ../nbs/01_inject.ipynb #c0mp1n0p
+def _unpack_of(n):
+    "The unpack node (`_unpack_node` or `_split_sketch`) a stat node reads one item of, else None."
+    u = n.args[0] if isinstance(n, fx.Node) and n.op == 'call_function' and n.target is operator.getitem else None
+    return u if isinstance(u, fx.Node) and u.op == 'call_function' and u.target in (_unpack_node, _split_sketch) else None
+
+def _packed_outputs(gm:fx.GraphModule):
+    "A twin of `gm` returning `(primary, other stats, packed sketches, their channel counts)` and the plan to unpack them; None for a pytree-spec graph."
+    cg = gm.graph._codegen
+    if isinstance(cg, fx.graph._PyTreeCodeGen) and cg.pytree_info is not None: return None   # torch.export graphs: compiled as they are
+    graph = copy.deepcopy(gm.graph)
+    out = next(n for n in reversed(graph.nodes) if n.op == 'output')
+    if not (isinstance(out.args[0], tuple) and len(out.args[0]) == 2 and isinstance(out.args[0][1], dict)): return None
+    primary, stats = out.args[0]
+    index, flats, chans, bins, plan, rest = {}, [], [], [], [], {}
+    with graph.inserting_before(out):
+        for k, n in stats.items():
+            u = _unpack_of(n)
+            if u is None: rest[k] = n; plan.append((k, None, None)); continue
+            if u not in index:
+                index[u] = len(flats)
+                src, c, b = u.args
+                if u.target is _unpack_node: flats.append(src); chans.append(graph.call_function(_channels, (c,)))
+                else: flats.append(graph.call_function(torch.clone, (src,))); chans.append(c)   # a cached weight sketch: a copy, as `_split_sketch`
+                bins.append(b)
+            plan.append((k, index[u], n.args[1]))
+    out.args = ((primary, rest, tuple(flats), tuple(chans)),)
+    for u in index:                                    # the unpack nodes and their items are now unused (no general DCE: a model's in-place ops stay)
+        for g in [g for g in u.users if not g.users]: graph.erase_node(g)
+        if not u.users: graph.erase_node(u)
+    graph.lint()
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta.update(gm.meta)
+    if hasattr(gm, 'manifest'): new.manifest = gm.manifest
+    return new, plan, bins
+
+def _unpacked_outputs(out, plan, bins):
+    "The packed twin's outputs as the injected module's `(primary, stats)`: the same keys in the same order, the packed sketches split into views."
+    primary, rest, flats, chans = out
+    parts = [_unpack(f, c, b) for f, c, b in zip(flats, chans, bins)]
+    return primary, {k: rest[k] if t is None else parts[t][i] for k, t, i in plan}
+
 # %% ../nbs/01_inject.ipynb #c0mp1n02
 def compile_injected(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass over it)
                      **kwargs, # passed to `torch.compile`
                     ):
     "`torch.compile(gm)`, with the weight sketches refreshed outside the compiled region before each call."
-    compiled = torch.compile(gm, **kwargs)
+    packed = _packed_outputs(gm)
+    compiled = torch.compile(gm if packed is None else packed[0], **kwargs)
     def run(*args, **kw):
         refresh_static(gm)
-        return compiled(*args, **kw)
+        out = compiled(*args, **kw)
+        return out if packed is None else _unpacked_outputs(out, *packed[1:])
     run.compiled, run.module = compiled, gm
     return run
 
