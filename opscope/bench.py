@@ -281,7 +281,7 @@ def _reasons(rep, got):
                                                      f"{c.ms['plain forward (compiled)']:.1f} ms forward: {kernels}, which cannot fuse into "
                                                      "the matmuls (extern GEMM calls on CPU)")
         why['compile time injected / plain'] = (f"{c.compile_s['injected (compiled)']:.0f} s vs {c.compile_s['plain forward (compiled)']:.0f} s: "
-                                                f"{n_taps} taps, {n_taps * len(STATS)} extra graph outputs; sketches as "
+                                                f"{n_taps} taps ({n_taps * len(STATS)} stats, returned by the compiled twin as one packed tensor per tap); sketches as "
                                                 + ("opaque operators (not traced)" if inject.SKETCH_KERNELS == 'op' else "nested regions, one traced per tensor shape"))
         why['graph breaks (injected, compiled)'] = 'Dynamo traces the whole injected graph as one'
     return why
