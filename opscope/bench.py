@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from .tables import atomic_write
 from .zoo import DISTS, make_tensor, transformer, outlier_channels
+from . import inject
 from .inject import trace, inject_matmul_stats, compile_injected, sketch, STATS, HIST_SAMPLE, NEARZERO_REL
 from .recorder import record
 from .miner import mine
@@ -113,7 +114,7 @@ def overhead_table(model:nn.Module, # the model to measure
                    compile:bool=False, # also time torch.compile of the plain and the injected graph
                    ao:bool=True, # include torch.ao's observers
                   )->pd.DataFrame:
-    "Per method: taps covered, ms per forward (min and median over repeats), ratio to the plain forward, compile seconds and graph breaks."
+    "Per method: taps covered, ms per forward (min and median over repeats), ratio to the plain forward (of the minima and of the medians), compile seconds and graph breaks."
     gm = trace(model, x)
     inj, inj_nc = inject_matmul_stats(gm), inject_matmul_stats(gm, cache_weights=False)
     n_taps, n_lin = len(inj.manifest), 3 * sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -134,9 +135,10 @@ def overhead_table(model:nn.Module, # the model to measure
                      'injected (compiled)': dict(compile_s=ti, graph_breaks=torch._dynamo.explain(inj)(x).graph_break_count)}
         for f, _ in methods.values(): f()      # warm up
         times = _interleaved({k: f for k, (f, _) in methods.items()}, repeats)
-    base = min(times['plain forward'])
+    base, base_median = min(times['plain forward']), np.median(times['plain forward'])
     return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=1e3 * min(v), ms_median=1e3 * float(np.median(v)),
-                              ratio=min(v) / base, **extra.get(k, {})) for k, v in times.items()])
+                              ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), **extra.get(k, {}))
+                         for k, v in times.items()])
 
 # %% ../nbs/11_bench.ipynb #b018ench
 def like_for_like(tab:pd.DataFrame)->dict:
@@ -274,16 +276,20 @@ def _reasons(rep, got):
                                              f"{ll['per_tap']:.1f}x the injected graph's overhead")
     if 'compiled' in rep:
         c = rep['compiled'].set_index('method')
+        n_taps = int(c.taps['injected (compiled)'])
+        kernels = (f"each tap's sketch runs as one opaque opscope::sketch call (eager kernels, a dozen memory-bound passes over the tensor)"
+                   if inject.SKETCH_KERNELS == 'op' else "the sketches are Inductor-fused reductions over every tapped tensor")
         why['compiled injected / compiled plain'] = (f"the sketches add {c.ms['injected (compiled)'] - c.ms['plain forward (compiled)']:.1f} ms to a "
-                                                     f"{c.ms['plain forward (compiled)']:.1f} ms forward: reductions over every tapped tensor, which "
-                                                     "Inductor fuses among themselves but not into the matmuls (extern GEMM calls on CPU)")
+                                                     f"{c.ms['plain forward (compiled)']:.1f} ms forward: {kernels}, which cannot fuse into "
+                                                     "the matmuls (extern GEMM calls on CPU)")
         why['compile time injected / plain'] = (f"{c.compile_s['injected (compiled)']:.0f} s vs {c.compile_s['plain forward (compiled)']:.0f} s: "
-                                                f"{int(c.taps['injected (compiled)']) * len(STATS)} extra graph outputs and one sketch region per tensor shape")
+                                                f"{n_taps} taps ({n_taps * len(STATS)} stats, returned by the compiled twin as one packed tensor per tap); sketches as "
+                                                + ("opaque operators (not traced)" if inject.SKETCH_KERNELS == 'op' else "nested regions, one traced per tensor shape"))
         why['graph breaks (injected, compiled)'] = 'Dynamo traces the whole injected graph as one'
     return why
 
 def goal_table(rep:dict)->pd.DataFrame:
-    "Each goal's measured figure, target, whether it is met, and why the figure is where it is."
+    "Each goal's measured figure (of the fastest repeats) and the same from the medians, target, whether it is met, and why the figure is where it is."
     e, o = rep['eager'].set_index('method'), rep['online'].set_index('every')
     got = {'online 1-in-8 mean step / plain': o.nominal_ratio.get(8, np.nan),
            'injected eager / plain eager': e.ratio['injected (eager)'],
@@ -296,7 +302,11 @@ def goal_table(rep:dict)->pd.DataFrame:
         got['compile time injected / plain'] = c.compile_s['injected (compiled)'] / c.compile_s['plain forward (compiled)']
         got['graph breaks (injected, compiled)'] = c.graph_breaks['injected (compiled)']
     why = _reasons(rep, got)
-    rows = [dict(goal=g, measured=got.get(g, np.nan), target=f'{op} {t}',
+    med = {'hooks + numpy / injected eager': e.ms_median['hooks + numpy (nn.Linear taps)'] / e.ms_median['injected (eager)']}
+    if 'ratio_median' in e: med['injected eager / plain eager'] = e.ratio_median['injected (eager)']
+    if 'compiled' in rep:
+        med['compiled injected / compiled plain'] = c.ms_median['injected (compiled)'] / c.ms_median['plain forward (compiled)']
+    rows = [dict(goal=g, measured=got.get(g, np.nan), median=med.get(g, got.get(g, np.nan)), target=f'{op} {t}',
                  met=bool(got[g] <= t if op == '<=' else got[g] >= t) if g in got and np.isfinite(got[g]) else None,
                  why=why.get(g, 'not measured in this run') if g in got else 'not measured in this run (compile=False)') for g, t, op in GOALS]
     return pd.DataFrame(rows)

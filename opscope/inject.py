@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_inject.ipynb #033c35b0
 from __future__ import annotations
-import contextlib, copy, functools, io, math, operator, time, weakref
+import contextlib, copy, functools, io, math, operator, threading, time, weakref
 from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
@@ -18,11 +18,12 @@ from .tables import InputError
 
 # %% auto #0
 __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
-           'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SKETCH_REGION_SHAPES',
-           'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS',
-           'trace', 'Site', 'site_name', 'expert_site', 'site_names', 'matmul_sites', 'sketch', 'refresh_static',
-           'decompose_attention', 'sketch_groups', 'sketch_rows', 'inject_matmul_stats', 'compile_injected', 'gate',
-           'attn_sketch', 'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
+           'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX',
+           'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL',
+           'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name', 'expert_site', 'site_names',
+           'matmul_sites', 'sketch', 'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows',
+           'inject_matmul_stats', 'compile_injected', 'gate', 'attn_sketch', 'gate_sketch', 'decompose_sdpa',
+           'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -250,77 +251,114 @@ def _as_rows(x:torch.Tensor):
     T = x.shape[-2] if x.dim() >= 2 else 1
     return x.reshape(-1, x.shape[-1]), T
 
-def _empty_sketch(x2, bins):
-    R, C = x2.shape
-    nan = x2.new_full((), float('nan'))
-    z = x2.new_zeros(())
-    return (z, nan, nan, nan, nan, nan, nan, nan, nan, z, z, nan,
-            x2.new_full((C,), float('nan')), x2.new_full((C,), float('nan')), x2.new_zeros(R), x2.new_zeros(bins))
-
 # %% ../nbs/01_inject.ipynb #c5c687d9
 def _hist(v, bins):
     "`torch.histc(v, bins, -1, 1)` for v in [-1, 1] (the same bins exactly for power-of-two `bins`), as a fixed-size scatter-add Inductor can lower."
     idx = ((v + 1) * (bins / 2)).long().clamp_(0, bins - 1)
     return torch.zeros(bins, dtype=v.dtype, device=v.device).scatter_add_(0, idx, torch.ones_like(v))
 
-def _clean_code(x2):
-    "x2 with NaN/±inf zeroed, and a code exactly 0 where finite, 1 at NaN, 2 at ±inf."
-    if torch.compiler.is_compiling():   # vectorized compares: Inductor's CPU isnan is a scalar loop
-        fin = x2.abs() < math.inf
-        return torch.where(fin, x2, 0.0), torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))
-    clean = torch.nan_to_num(x2, nan=0.0, posinf=0.0, neginf=0.0)
-    return clean, torch.nan_to_num(x2, nan=1.0, posinf=2.0, neginf=2.0).sub_(clean)
+SCRATCH_MAX = 1 << 24  # eager CPU sketches of tensors up to this many elements reuse two per-thread scratch buffers
 
-def _code_sums(code):
-    "The code's sum and sum of squares (nan + 2·inf, nan + 4·inf): per row when compiling, so they fuse into the row pass."
-    if torch.compiler.is_compiling(): return code.sum(-1).sum(), (code * code).sum(-1).sum()
-    flat = code.reshape(-1)
-    return flat.sum(), torch.dot(flat, flat)
+_SCRATCH = threading.local()
 
-def _adjacent_dots(clean, T):
-    "Dot product of each row with the next within its sequence, shape (R/T, T-1)."
-    if torch.compiler.is_compiling():   # a shifted read over the same (rows, channels) loop: fuses into the row pass
-        return (clean * clean.roll(-1, 0)).sum(-1).reshape(-1, T)[:, :-1]
-    rows = clean.reshape(-1, T, clean.shape[-1])
-    return (rows[:, 1:] * rows[:, :-1]).sum(-1)
+def _scratch(slot:int, x2:torch.Tensor)->torch.Tensor:
+    "A (rows, channels) buffer like `x2` for the sketch's own temporaries: on CPU a reused per-thread buffer (its pages stay mapped), else fresh."
+    n = x2.numel()
+    if x2.device.type != 'cpu' or n > SCRATCH_MAX: return torch.empty_like(x2, memory_format=torch.contiguous_format)
+    bufs = _SCRATCH.__dict__.setdefault('bufs', {})
+    b = bufs.get((slot, x2.dtype))
+    if b is None or b.numel() < n: b = bufs[(slot, x2.dtype)] = torch.empty(n, dtype=x2.dtype)
+    return b[:n].view(x2.shape)
+
+def _passes_eager(x2, T):
+    "The full-size passes in eager mode: float kernels only, written into two scratch buffers (clean, and one reused with `out=`)."
+    R, C = x2.shape
+    clean = torch.nan_to_num(x2, nan=0.0, posinf=0.0, neginf=0.0, out=_scratch(0, x2))
+    buf = torch.nan_to_num(x2, nan=1.0, posinf=2.0, neginf=2.0, out=_scratch(1, x2)).sub_(clean)   # exactly 0 where finite, 1 at NaN, 2 at ±inf
+    flat = buf.reshape(-1)
+    s1, s2 = flat.sum(), torch.dot(flat, flat)    # nan + 2·inf and nan + 4·inf, exact integers below 2^24
+    nz = torch.ne(clean, 0, out=buf).sum(0)        # buf reused: 1.0 at each nonzero, summed per channel
+    rows = clean.view(-1, T, C)
+    prod = torch.mul(rows[:, 1:], rows[:, :-1], out=flat[:(R // T) * (T - 1) * C].view(R // T, T - 1, C))
+    return clean, s1, s2, clean.sum(), clean.amax(0), clean.amin(0), nz, torch.linalg.vector_norm(clean, dim=-1), prod.sum(-1)
+
+def _passes_compiled(x2, T):
+    "The same passes under `torch.compile`: vectorized compares (Inductor's CPU isnan is a scalar loop), per-row sums and a shifted read, all fusable into one row loop."
+    fin = x2.abs() < math.inf
+    clean = torch.where(fin, x2, 0.0)
+    code = torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))
+    dots = (clean * clean.roll(-1, 0)).sum(-1).reshape(-1, T)[:, :-1]
+    return (clean, code.sum(-1).sum(), (code * code).sum(-1).sum(), clean.sum(-1).sum(), clean.amax(0), clean.amin(0),
+            (clean != 0).to(clean.dtype).sum(0), torch.linalg.vector_norm(clean, dim=-1), dots)
+
+def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
+    "The sketch of `x` as one flat tensor: the `SCALARS`, then `hist`, `chan_absmax`, `chan_density`, `row_energy` (`_unpack` splits it)."
+    x2, T = _as_rows(x.detach())
+    R, C = x2.shape
+    n = R * C
+    if n == 0: return _empty_packed(x2, bins)
+    # every temporary is the sketch's own, so its in-place and out= writes touch nothing autograd or the model sees
+    # eager on real tensors; traced (torch.compile, torch.export: fake or functional tensors) in the traceable form
+    passes = _passes_eager if type(x2) is torch.Tensor and not torch.compiler.is_compiling() else _passes_compiled
+    clean, s1, s2, total, cmax, cmin, nz, row_energy, dots = passes(x2, T)
+    chan_absmax = torch.maximum(cmax, -cmin)
+    absmax = chan_absmax.max()
+    e = row_energy.reshape(-1, T)
+    adj_cos = (dots / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
+    sample = clean.reshape(-1)[::torch.sym_max(n // HIST_SAMPLE, 1)]
+    hist = _hist(sample / (absmax + 1e-12), bins)
+    nearzero = (sample.abs() <= NEARZERO_REL * absmax).to(clean.dtype).mean()
+    mean, ms = total / n, row_energy.square().sum() / n
+    inf = (s2 - s1) / 2
+    scalars = torch.stack([clean.new_full((), n), cmin.min(), cmax.max(), mean, (ms - mean * mean).clamp_min(0).sqrt(), absmax,
+                           ms.sqrt(), nz.sum() / n, nearzero, s1 - 2 * inf, inf, adj_cos])
+    return torch.cat([scalars, hist, chan_absmax, nz / R, row_energy])
+
+def _empty_packed(x2, bins):
+    R, C = x2.shape
+    nan = float('nan')
+    scalars = x2.new_tensor([0, nan, nan, nan, nan, nan, nan, nan, nan, 0, 0, nan])
+    return torch.cat([scalars, x2.new_zeros(bins), x2.new_full((2 * C,), nan), x2.new_zeros(R)])
+
+def _channels(x): return x.shape[-1] if x.dim() else 1
+
+def _unpack(flat:torch.Tensor, C:int, bins:int)->tuple:
+    "A packed sketch as the `STATS` tuple (views of `flat`): 12 scalars, then chan_absmax, chan_density (C each), row_energy, hist."
+    scalars, hist, chan_absmax, chan_density, row_energy = torch.split(flat, (len(SCALARS), bins, C, C, flat.shape[0] - len(SCALARS) - bins - 2 * C))
+    return (*scalars.unbind(), chan_absmax, chan_density, row_energy, hist)
 
 def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); read detached, never part of autograd
            bins:int=64, # histogram bins over [-1, 1] of x / absmax
           )->tuple:
     "The sketch of `x`: a tuple of tensors in the order of `STATS`."
-    x2, T = _as_rows(x.detach())
-    R, C = x2.shape
-    n = R * C
-    if n == 0: return _empty_sketch(x2, bins)
-    # every temporary below is the sketch's own, so its in-place ops touch nothing autograd or the model sees
-    clean, code = _clean_code(x2)
-    row_sum = clean.sum(-1)
-    s1, s2 = _code_sums(code)                     # nan + 2·inf and nan + 4·inf, exact integers below 2^24
-    inf = (s2 - s1) / 2
-    nan = s1 - 2 * inf
-    cmax, cmin = clean.amax(0), clean.amin(0)
-    chan_absmax = torch.maximum(cmax, -cmin)
-    absmax = chan_absmax.max()
-    chan_density = torch.sign(clean).abs_().sum(0) / R
-    row_energy = torch.linalg.vector_norm(clean, dim=-1)
-    mean = row_sum.sum() / n
-    ms = row_energy.square().sum() / n
-    std = (ms - mean * mean).clamp_min(0).sqrt()
-    e = row_energy.reshape(-1, T)
-    adj_cos = (_adjacent_dots(clean, T) / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
-    sample = clean.reshape(-1)[::torch.sym_max(n // HIST_SAMPLE, 1)]
-    hist = _hist(sample / (absmax + 1e-12), bins)
-    nearzero = (sample.abs() <= NEARZERO_REL * absmax).float().mean()
-    numel = torch.full((), n, dtype=clean.dtype, device=clean.device)
-    return (numel, cmin.min(), cmax.max(), mean, std, absmax, ms.sqrt(), chan_density.mean(), nearzero, nan, inf,
-            adj_cos, chan_absmax, chan_density, row_energy, hist)
+    return _unpack(_packed(x, bins), _channels(x), bins)
 
 SKETCH_REGION_SHAPES = 256  # distinct tapped-tensor shapes one compiled graph may hold (torch's default, 8, is too few)
-_sketch_region = torch.compiler.nested_compile_region(sketch, max_reuse_entries=SKETCH_REGION_SHAPES)
+_sketch_region = torch.compiler.nested_compile_region(_packed, max_reuse_entries=SKETCH_REGION_SHAPES)
+
+def _sketch_impl(x:torch.Tensor, bins:int)->torch.Tensor:
+    "The packed sketch as one opaque operator: a compiler traces one node per tap, which runs the eager sketch's kernels."
+    return _packed(x, bins)
+
+def _sketch_fake(x, bins):
+    "The operator's output shape and dtype, from `x`'s alone (no data)."
+    R, C = (math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else (1, 1)
+    return x.new_empty(len(SCALARS) + bins + 2 * C + R, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+if not hasattr(torch.ops.opscope, 'sketch'):   # registered once per process (this module and its notebook both define it)
+    torch.library.custom_op('opscope::sketch', _sketch_impl, mutates_args=()).register_fake(_sketch_fake)
+_sketch_op = torch.ops.opscope.sketch
+
+SKETCH_KERNELS = 'inductor'  # under torch.compile: 'inductor' traces each sketch (a nested region, once per shape) for Inductor to fuse; 'op' runs it as the opaque `opscope::sketch`
 
 def _sketch_node(x, bins):
-    "The graph's sketch node: `sketch` as a nested compile region, so `torch.compile` compiles it once per tensor shape, not once per tap."
-    return _sketch_region(x, bins)
+    "The graph's sketch node: the packed sketch, as `opscope::sketch` or (`SKETCH_KERNELS='inductor'`) a nested compile region traced once per tensor shape."
+    if torch.compiler.is_compiling() and SKETCH_KERNELS == 'inductor': return _sketch_region(x, bins)
+    return _sketch_op(x.detach(), bins) if torch.compiler.is_compiling() else _packed(x, bins)
+
+def _unpack_node(flat, x, bins):
+    "The graph's unpack node: the tap's packed sketch as the `STATS` tuple."
+    return _unpack(flat, _channels(x), bins)
 
 # %% ../nbs/01_inject.ipynb #7a1f7fc2
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -343,22 +381,24 @@ def _odd(n, device):
 def _checksum(w:torch.Tensor)->torch.Tensor:
     "Two int64s that change with any write to `w`'s values: the row-weighted exact sum of its bit patterns, and a random projection's bits."
     w2 = w.detach().reshape(-1, w.shape[-1] if w.dim() else 1)
-    bits = w2.view(_INT_OF[w2.element_size()]).sum(1, dtype=torch.int64)
+    ints = w2.view(_INT_OF[w2.element_size()])
+    # row sums of the bit patterns, accumulated in the patterns' own width where that is 32 or 64 bits: exact mod 2^32
+    # (any single change is seen) with no widened copy of the weight (a widening sum copies it first, ~4x the time)
+    bits = ints.sum(1, dtype=ints.dtype if ints.dtype in (torch.int32, torch.int64) else torch.int32).long()
     exact = (bits * _odd(len(bits), w2.device)).sum()          # wraps mod 2^64: any single change is seen
     f = w2 if w2.dtype in (torch.float32, torch.float64) else w2.float()
     proj = torch.mv(f, _proj(f.shape[1], f.dtype, f.device, 0)).dot(_proj(f.shape[0], f.dtype, f.device, 1))
     return torch.stack([exact, proj.double().view(torch.int64)])
 
-def _sketch_sizes(R, C, bins): return (1,) * len(SCALARS) + (C, C, R, bins)
+def _sketch_sizes(R, C, bins): return (len(SCALARS), bins, C, C, R)
 
 def _flat_sketch(w, bins):
-    "`sketch(w)` as one flat float32 tensor: the weight cache's storage."
-    return torch.cat([t.reshape(-1).float() for t in sketch(w, bins)])
+    "The packed sketch of `w` as float32: the weight cache's storage."
+    return _packed(w, bins).float()
 
-def _split_sketch(buf, R:int, C:int, bins:int):
-    "A cached flat weight sketch as the `STATS` tuple; a copy, so a later refresh never changes stats already returned."
-    parts = torch.split(buf.clone(), _sketch_sizes(R, C, bins))
-    return tuple(p.reshape(()) if i < len(SCALARS) else p for i, p in enumerate(parts))
+def _split_sketch(buf, C:int, bins:int):
+    "A cached packed weight sketch as the `STATS` tuple; a copy, so a later refresh never changes stats already returned."
+    return _unpack(buf.clone(), C, bins)
 
 def _resolve(gm, path): return functools.reduce(getattr, path.split('.'), gm)
 
@@ -539,11 +579,12 @@ def _tap(graph, x, bins, cached=None):
     first = next(n for n in graph.nodes if n.op != 'placeholder')
     if cached is not None:
         with graph.inserting_before(first): buf = graph.get_attr(cached[0])
-        with graph.inserting_after(buf): sk = graph.call_function(_split_sketch, (buf, *cached[1:], bins))
+        with graph.inserting_after(buf): sk = graph.call_function(_split_sketch, (buf, cached[2], bins))
     else:
         if isinstance(x, str):
             with graph.inserting_before(first): x = graph.get_attr(x)
-        with graph.inserting_after(x): sk = graph.call_function(_sketch_node, (x, bins))
+        with graph.inserting_after(x): flat = graph.call_function(_sketch_node, (x, bins))
+        with graph.inserting_after(flat): sk = graph.call_function(_unpack_node, (flat, x, bins))
     with graph.inserting_after(sk):
         return {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
 
@@ -790,15 +831,59 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
     _install_refresh(new)
     return new
 
+# %% ../nbs/01_inject.ipynb #c0mp1n0p
+def _unpack_of(n):
+    "The unpack node (`_unpack_node` or `_split_sketch`) a stat node reads one item of, else None."
+    u = n.args[0] if isinstance(n, fx.Node) and n.op == 'call_function' and n.target is operator.getitem else None
+    return u if isinstance(u, fx.Node) and u.op == 'call_function' and u.target in (_unpack_node, _split_sketch) else None
+
+def _packed_outputs(gm:fx.GraphModule):
+    "A twin of `gm` returning `(primary, other stats, packed sketches, their channel counts)` and the plan to unpack them; None for a pytree-spec graph."
+    cg = gm.graph._codegen
+    if isinstance(cg, fx.graph._PyTreeCodeGen) and cg.pytree_info is not None: return None   # torch.export graphs: compiled as they are
+    graph = copy.deepcopy(gm.graph)
+    out = next(n for n in reversed(graph.nodes) if n.op == 'output')
+    if not (isinstance(out.args[0], tuple) and len(out.args[0]) == 2 and isinstance(out.args[0][1], dict)): return None
+    primary, stats = out.args[0]
+    index, flats, chans, bins, plan, rest = {}, [], [], [], [], {}
+    with graph.inserting_before(out):
+        for k, n in stats.items():
+            u = _unpack_of(n)
+            if u is None: rest[k] = n; plan.append((k, None, None)); continue
+            if u not in index:
+                index[u] = len(flats)
+                src, c, b = u.args
+                if u.target is _unpack_node: flats.append(src); chans.append(graph.call_function(_channels, (c,)))
+                else: flats.append(graph.call_function(torch.clone, (src,))); chans.append(c)   # a cached weight sketch: a copy, as `_split_sketch`
+                bins.append(b)
+            plan.append((k, index[u], n.args[1]))
+    out.args = ((primary, rest, tuple(flats), tuple(chans)),)
+    for u in index:                                    # the unpack nodes and their items are now unused (no general DCE: a model's in-place ops stay)
+        for g in [g for g in u.users if not g.users]: graph.erase_node(g)
+        if not u.users: graph.erase_node(u)
+    graph.lint()
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta.update(gm.meta)
+    if hasattr(gm, 'manifest'): new.manifest = gm.manifest
+    return new, plan, bins
+
+def _unpacked_outputs(out, plan, bins):
+    "The packed twin's outputs as the injected module's `(primary, stats)`: the same keys in the same order, the packed sketches split into views."
+    primary, rest, flats, chans = out
+    parts = [_unpack(f, c, b) for f, c, b in zip(flats, chans, bins)]
+    return primary, {k: rest[k] if t is None else parts[t][i] for k, t, i in plan}
+
 # %% ../nbs/01_inject.ipynb #c0mp1n02
 def compile_injected(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass over it)
                      **kwargs, # passed to `torch.compile`
                     ):
     "`torch.compile(gm)`, with the weight sketches refreshed outside the compiled region before each call."
-    compiled = torch.compile(gm, **kwargs)
+    packed = _packed_outputs(gm)
+    compiled = torch.compile(gm if packed is None else packed[0], **kwargs)
     def run(*args, **kw):
         refresh_static(gm)
-        return compiled(*args, **kw)
+        out = compiled(*args, **kw)
+        return out if packed is None else _unpacked_outputs(out, *packed[1:])
     run.compiled, run.module = compiled, gm
     return run
 
