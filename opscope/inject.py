@@ -21,9 +21,9 @@ __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 
            'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX',
            'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL',
            'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name', 'expert_site', 'site_names',
-           'matmul_sites', 'sketch', 'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows',
-           'inject_matmul_stats', 'compile_injected', 'gate', 'attn_sketch', 'gate_sketch', 'decompose_sdpa',
-           'InferSite', 'infer_sites', 'inject_infer_stats']
+           'matmul_sites', 'sample_stride', 'pack', 'sketch', 'refresh_static', 'decompose_attention', 'sketch_groups',
+           'sketch_rows', 'inject_matmul_stats', 'compile_injected', 'gate', 'attn_sketch', 'gate_sketch',
+           'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -237,7 +237,7 @@ def matmul_sites(gm:fx.GraphModule)->list[Site]:
     return sites
 
 # %% ../nbs/01_inject.ipynb #a517310a
-HIST_SAMPLE = 16384  # the histogram (and nearzero) read at most this many values, by a fixed stride
+HIST_SAMPLE = 16384  # the histogram (and nearzero) read about this many values, by a fixed stride coprime with the channel count
 NEARZERO_REL = 1e-3  # |x| <= NEARZERO_REL * absmax counts as near zero
 SCALARS = ('numel', 'min', 'max', 'mean', 'std', 'absmax', 'rms', 'density', 'nearzero', 'nan_count', 'inf_count', 'adj_cos')
 VECTORS = ('chan_absmax', 'chan_density', 'row_energy', 'hist')
@@ -291,6 +291,13 @@ def _passes_compiled(x2, T):
     return (clean, code.sum(-1).sum(), (code * code).sum(-1).sum(), clean.sum(-1).sum(), clean.amax(0), clean.amin(0),
             (clean != 0).to(clean.dtype).sum(0), torch.linalg.vector_norm(clean, dim=-1), dots)
 
+def sample_stride(n, C):
+    "The element stride at which the histogram and `nearzero` read about `HIST_SAMPLE` of the `n` values of a (rows × `C`) tensor: coprime with `C`, so every channel and every row is read (a stride sharing a factor with `C` reads only some channels)."
+    s = torch.sym_max(n // HIST_SAMPLE, 1)
+    if not (isinstance(s, int) and isinstance(C, int)): return s   # symbolic shapes: the plain stride
+    while math.gcd(s, C) != 1: s += 1
+    return s
+
 def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
     "The sketch of `x` as one flat tensor: the `SCALARS`, then `hist`, `chan_absmax`, `chan_density`, `row_energy` (`_unpack` splits it)."
     x2, T = _as_rows(x.detach())
@@ -305,7 +312,7 @@ def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
     absmax = chan_absmax.max()
     e = row_energy.reshape(-1, T)
     adj_cos = (dots / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
-    sample = clean.reshape(-1)[::torch.sym_max(n // HIST_SAMPLE, 1)]
+    sample = clean.reshape(-1)[::sample_stride(n, C)]
     hist = _hist(sample / (absmax + 1e-12), bins)
     nearzero = (sample.abs() <= NEARZERO_REL * absmax).to(clean.dtype).mean()
     mean, ms = total / n, row_energy.square().sum() / n
@@ -326,6 +333,11 @@ def _unpack(flat:torch.Tensor, C:int, bins:int)->tuple:
     "A packed sketch as the `STATS` tuple (views of `flat`): 12 scalars, then chan_absmax, chan_density (C each), row_energy, hist."
     scalars, hist, chan_absmax, chan_density, row_energy = torch.split(flat, (len(SCALARS), bins, C, C, flat.shape[0] - len(SCALARS) - bins - 2 * C))
     return (*scalars.unbind(), chan_absmax, chan_density, row_energy, hist)
+
+def pack(stats:tuple)->torch.Tensor:
+    "A `STATS` tuple (e.g. `sketch_rows`') as one flat tensor in the packed layout that `_unpack` splits."
+    s = stats[:len(SCALARS)]
+    return torch.cat([torch.stack([v.to(stats[-1].dtype) for v in s]), stats[-1], stats[-4], stats[-3], stats[-2]])
 
 def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); read detached, never part of autograd
            bins:int=64, # histogram bins over [-1, 1] of x / absmax
@@ -617,6 +629,7 @@ def sketch_groups(x:torch.Tensor, # any tensor; viewed as rows × channels (last
                   group:torch.Tensor, # int, one per row: its group in [0, groups); any other value drops the row
                   groups:int, # how many groups (experts)
                   bins:int=64, # histogram bins over [-1, 1] of x / the group's absmax
+                  stride=1, # the histogram and `nearzero` read every `stride`-th element (`sample_stride`; 1: all)
                  )->tuple:
     "The sketch of each group's rows (order of `STATS`, each stat with a leading `groups` dim), in one pass over `x`, at a fixed shape and with no host sync."
     x2, T = _as_rows(x.detach())   # read detached, as `sketch`: the statistics never join autograd
@@ -647,9 +660,11 @@ def sketch_groups(x:torch.Tensor, # any tensor; viewed as rows × channels (last
     pairs = x2.new_zeros(G + 1).index_add_(0, gp, torch.ones_like(cos))[:G]
     adj_cos = x2.new_zeros(G + 1).index_add_(0, gp, cos)[:G] / pairs
     amax_row = torch.cat([absmax.nan_to_num(0.0), absmax.new_zeros(1)])[g].unsqueeze(-1)     # each row's group absmax
-    b = ((clean / (amax_row + 1e-12) + 1) * (bins / 2)).floor().clamp(0, bins - 1).long() + g.unsqueeze(-1) * bins
-    hist = x2.new_zeros((G + 1) * bins).index_add_(0, b.reshape(-1), torch.ones_like(clean).reshape(-1)).reshape(G + 1, bins)[:G]
-    nearzero = per((clean.abs() <= NEARZERO_REL * amax_row).sum(-1).to(dt)) / n
+    gh = torch.where(torch.arange(R * C, device=g.device).view(R, C) % stride == 0, g.unsqueeze(-1), G).reshape(-1)   # each read value's group (G: not read)
+    b = ((clean / (amax_row + 1e-12) + 1) * (bins / 2)).floor().clamp(0, bins - 1).long().reshape(-1) + gh * bins
+    hist = x2.new_zeros((G + 1) * bins).index_add_(0, b, torch.ones_like(clean).reshape(-1)).reshape(G + 1, bins)[:G]
+    per_h = lambda v: x2.new_zeros(G + 1).index_add_(0, gh, v.reshape(-1))[:G]                  # sum over the read values by group
+    nearzero = per_h((clean.abs() <= NEARZERO_REL * amax_row).to(dt)) / per_h(torch.ones_like(clean))
     row_energy = torch.where(g.unsqueeze(0) == torch.arange(G, device=g.device).unsqueeze(1), energy, float('nan'))
     return (n, cmin.amin(-1), cmax.amax(-1), mean, std, absmax, ms.sqrt(), chan_density.mean(-1), nearzero, nan, inf,
             adj_cos, chan_absmax, chan_density, row_energy, hist)
@@ -658,8 +673,9 @@ def sketch_rows(x:torch.Tensor, # any tensor; viewed as rows × channels (last d
                 keep:torch.Tensor, # bool, one per row: the rows that belong to the site
                 bins:int=64, # histogram bins over [-1, 1] of x / absmax
                )->tuple:
-    "The sketch (order of `STATS`) of the rows of `x` where `keep` is true: `sketch_groups` with one group."
-    return tuple(t[0] for t in sketch_groups(x, (~keep.reshape(-1)).long(), 1, bins))
+    "The sketch (order of `STATS`) of the rows of `x` where `keep` is true: `sketch_groups` with one group, its histogram read at `sketch`'s stride (all rows kept: `sketch`'s statistics)."
+    C = _channels(x)
+    return tuple(t[0] for t in sketch_groups(x, (~keep.reshape(-1)).long(), 1, bins, sample_stride(x.numel(), C)))
 
 # %% ../nbs/01_inject.ipynb #c41aa0d9
 def _channels_last(x):

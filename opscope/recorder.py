@@ -15,7 +15,7 @@ import torch.fx as fx
 from .tables import InputError, MissingError, atomic_write, require_columns, as_strings, dataset_files
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
-from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch, sketch_rows, _sketch_node, _meta_shape
+from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch, sketch_rows, pack, _sketch_node, _meta_shape
 from .shapes import coverage, coverage_warning
 
 
@@ -331,9 +331,9 @@ def _aligned(mask, x):
 def masked_sketch(x:torch.Tensor, # a tapped tensor whose rows are tokens
                   mask:torch.Tensor, # (batch, tokens), 0 at padded tokens
                   bins:int=64, # histogram bins
-                 )->tuple:
-    "`sketch` of the real-token rows of `x` only (`sketch_rows`): padded rows add nothing to any statistic and their `row_energy` is NaN."
-    return sketch_rows(x, _row_keep(mask, x), bins) if _aligned(mask, x) else _sketch_node(x, bins)
+                 )->torch.Tensor:
+    "The packed sketch of the real-token rows of `x` only (`sketch_rows`): padded rows add nothing to any statistic and their `row_energy` is NaN."
+    return pack(sketch_rows(x, _row_keep(mask, x), bins)) if _aligned(mask, x) else _sketch_node(x, bins)
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3
 def _placeholder(inj, name): return next((n for n in inj.graph.nodes if n.op == 'placeholder' and n.target == name), None)

@@ -7,6 +7,7 @@ from opscope.recorder import record, eager_gate, gate_tolerance, masked_sketch, 
 from opscope.inject import STATS, trace
 from opscope.miner import mine, tap_features, TOKEN_ROWS90_MAX
 from opscope.partials import row_steps
+from opscope.scale import mine_duckdb
 from opscope.runners import record_generate, tiny_decoder
 from opscope.plan import plan, specialize, format_plan
 from opscope.shapes import coverage, tapped_share, shapes_model, COVERAGE_MIN
@@ -79,11 +80,11 @@ def test_generate_prefill_padding_masked_decode_rows_all_counted():
     ids = torch.randint(2, 112, (2, 5), generator=torch.Generator().manual_seed(33)); am = torch.ones_like(ids); am[1, :3] = 0
     toks, df = record_generate(m, ids, 3, attention_mask=am)
     assert torch.equal(toks, m.generate(ids, attention_mask=am, max_new_tokens=3, min_new_tokens=3, do_sample=False))
-    q = df[(df.site == 'model.model.layers.0.self_attn.q_proj') & (df.role == 'lhs') & (df.stat == 'row_energy')]
+    q = df[(df.site == 'model.layers.0.self_attn.q_proj') & (df.role == 'lhs') & (df.stat == 'row_energy')]
     pre = q[q.step == 0].sort_values('idx').value
     assert pre.isna().tolist() == (am == 0).reshape(-1).tolist()         # the prefill's padded prompt tokens
     assert q[q.step > 0].value.notna().all()                              # a decode step's tokens are all real
-    km = df[(df.step == 0) & (df.stat == 'key_mass') & (df.site == 'model.model.layers.0.self_attn.sdpa')].value
+    km = df[(df.step == 0) & (df.stat == 'key_mass') & (df.site == 'model.layers.0.self_attn.sdpa')].value
     assert abs(km.sum() - m.config.num_attention_heads * int(am.sum())) < 1e-3   # padded query rows carry no mass
 
 
@@ -102,8 +103,8 @@ def test_nan_rows_are_not_rows_in_every_engine():
     assert f.rows.item() == 10 and f.rows90.item() > TOKEN_ROWS90_MAX      # counted over the ninety NaN rows it would be ~0.08
     rs = row_steps(lhs)
     assert (rs.rows == 10).all() and np.allclose(rs.rows90.mean(), f.rows90.item())
-    for engine in ('pandas', 'duckdb'):
-        assert not (mine(sk, engine=engine).exploit == 'token-sparsity').any(), engine
+    for name, engine in (('pandas', mine), ('duckdb', mine_duckdb)):
+        assert not (engine(sk).exploit == 'token-sparsity').any(), name
 
 
 def test_engines_agree_on_a_padded_moe_recording():
@@ -112,7 +113,7 @@ def test_engines_agree_on_a_padded_moe_recording():
     _, df = record_generate(m, ids, 4, attention_mask=am)
     assert df[df.stat == 'row_energy'].value.isna().any()
     strip = lambda f: f.drop(columns='detail').sort_values(['site', 'role', 'exploit', 'idx']).reset_index(drop=True)
-    a, b = mine(df), mine(df, engine='duckdb')
+    a, b = mine(df), mine_duckdb(df)
     pd.testing.assert_frame_equal(strip(a)[['site', 'role', 'exploit', 'idx']], strip(b)[['site', 'role', 'exploit', 'idx']])
 
 
