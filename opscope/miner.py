@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from .tables import InputError, MINE_COLS, require_columns, as_strings
-from .recorder import read_sketches
 
 # %% auto #0
 __all__ = ['KEYS', 'FINDINGS', 'EXPLOITS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO',
@@ -499,7 +498,9 @@ def mine(sketches:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or 
          probe:pd.DataFrame=None, # optional ranks of dumped taps (`probe.rank_table`): confirms or retracts `deep-dump` pointers
         )->pd.DataFrame:
     "Findings (`FINDINGS` columns), one row per exploit per tap (per channel for channel findings); out of core: `scale.mine_duckdb`, `scale.mine_dask`."
-    sketches = read_sketches(sketches) if not isinstance(sketches, pd.DataFrame) else sketches
+    if not isinstance(sketches, pd.DataFrame):
+        from opscope.recorder import read_sketches   # lazy: recorder imports torch, which Dask workers (partials → miner) must not load
+        sketches = read_sketches(sketches)
     require_columns(sketches.columns, MINE_COLS, 'cannot mine')
     sketches = as_strings(sketches)        # the dtype policy; a missing name is the empty name (pandas drops missing group keys)
     out = _mine_pandas(sketches)
