@@ -6,8 +6,7 @@
 from __future__ import annotations
 import numpy as np
 import pandas as pd
-from .tables import InputError, MINE_COLS, require_columns, as_strings
-from .recorder import read_sketches
+from .tables import InputError, MINE_COLS, require_columns, as_strings, read_sketches
 from functools import partial
 from .exploits import (REGISTRY, Exploit, Rule, register, rules, guard_dead, guard_density, guard_crest,
                               kernel_dead, kernel_sparse, kernel_int8, kernel_lowrank, kernel_prepack,
@@ -538,7 +537,8 @@ def mine(sketches:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or 
          probe:pd.DataFrame=None, # optional ranks of dumped taps (`probe.rank_table`): confirms or retracts `deep-dump` pointers
         )->pd.DataFrame:
     "Findings (`FINDINGS` columns), one row per exploit per tap (per channel for channel findings); out of core: `scale.mine_duckdb`, `scale.mine_dask`."
-    sketches = read_sketches(sketches) if not isinstance(sketches, pd.DataFrame) else sketches
+    if not isinstance(sketches, pd.DataFrame):
+        sketches = read_sketches(sketches)
     require_columns(sketches.columns, MINE_COLS, 'cannot mine')
     sketches = as_strings(sketches)        # the dtype policy; a missing name is the empty name (pandas drops missing group keys)
     out = _mine_pandas(sketches)

@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
-from .tables import InputError, MissingError, atomic_write, require_columns, as_strings, dataset_files
+from .tables import InputError, MissingError, atomic_write, require_columns, as_strings, dataset_files, part_files
+from .tables import read_sketches, COMMIT_SUFFIX   # the reading half lives in tables (no torch: Dask workers mine with it), re-exported here
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
 from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch, sketch_rows, pack, _sketch_node, _meta_shape
@@ -20,8 +21,8 @@ from .shapes import coverage, coverage_warning
 
 
 # %% auto #0
-__all__ = ['COMMIT_SUFFIX', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'read_sketches', 'masked_sketch',
-           'gate_tolerance', 'eager_gate', 'Recorded', 'record', 'sweep']
+__all__ = ['GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'masked_sketch', 'gate_tolerance', 'eager_gate',
+           'Recorded', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -78,8 +79,6 @@ def decode_stats(stats:dict, # `"site/role/stat" -> tensor`, as an injected modu
         'idx': np.arange(n, dtype=np.int64) - per_row(starts), 'value': values}), STR_COLS)
 
 # %% ../nbs/02_recorder.ipynb #346d5634
-COMMIT_SUFFIX = '.commit'   # `OUT.csv.commit`: one line per step committed to `OUT.csv` while it is being written
-
 class Recorder:
     "A sink for tidy rows: `.csv` (appended, fsynced and committed per step), `.parquet` (a part per step, combined on close), or a Parquet dataset directory (a file per step)."
     def __init__(self, path, # a `.csv` or `.parquet` file, or a dataset directory (a path without extension)
@@ -137,9 +136,9 @@ class Recorder:
             self._f.close(); self._f = None
             self._log.close(); self._log = None; self.commit.unlink(missing_ok=True)
         if self.fmt == 'dataset' and self._dirs:     # what is in place, even if a signal came between a rename and the count
-            self.steps = sum(len(_part_files(d)) for d in self._dirs)
+            self.steps = sum(len(part_files(d)) for d in self._dirs)
         if self.fmt == 'parquet' and self.parts.exists():
-            self.steps = len(_part_files(self.parts))
+            self.steps = len(part_files(self.parts))
             with atomic_write(self.path) as tmp: _combine_parts(self.parts, tmp)   # a full disk, a second Ctrl-C: the parts stay, and the reader finds them
             shutil.rmtree(self.parts)
     def __enter__(self): return self
@@ -155,133 +154,16 @@ def _write_step(df, path):
     with atomic_write(path) as tmp:
         pq.write_table(pa.Table.from_pandas(as_strings(df, STR_COLS), preserve_index=False), tmp, row_group_size=max(len(df), 1))
 
-def _part_files(parts): return sorted(parts.glob('part-*.parquet'))
-
 def _combine_parts(parts, dest):
     "Stream the parts into one Parquet file at `dest`, one row group per part: memory holds one step, never the run."
     import pyarrow.parquet as pq
-    files = _part_files(parts)
+    files = part_files(parts)
     schema = pq.read_schema(files[0])
     with open(dest, 'wb') as f:
         with pq.ParquetWriter(f, schema) as w:
             for p in files: w.write_table(pq.read_table(p).cast(schema))
         f.flush(); os.fsync(f.fileno())
 
-def _read_parts(parts):
-    import pyarrow as pa, pyarrow.parquet as pq
-    return pa.concat_tables([pq.read_table(f) for f in _part_files(parts)])
-
-# %% ../nbs/02_recorder.ipynb #c0a1f15e
-def _committed(path, raw):
-    "The bytes of `raw` (the CSV at `path`) up to its last committed step, checked against the commit log left by an interrupted writer."
-    log = path.with_name(path.name + COMMIT_SUFFIX)
-    if not log.exists(): return raw
-    lines = [l.split('\t', 3) for l in log.read_text().split('\n')[:-1]]   # a torn last log line is not a commit
-    start = 0
-    for end, rows, crc, name in lines:
-        end = int(end)
-        if end > len(raw) or zlib.crc32(raw[start:end]) != int(crc, 16):
-            raise InputError(f"{path}: {name} does not match its commit in {log.name} (the file was changed after it was written)")
-        start = end
-    if len(raw) > start:
-        torn = _torn_name(raw[start:], raw[:raw.find(b'\n') + 1])
-        warnings.warn(f"{path}: dropped the torn last step ({torn}, {len(raw) - start:,} bytes after the last commit)")
-    return raw[:start]
-
-def _torn_name(tail, header):
-    "Which step a torn tail of a CSV belongs to, from its first line."
-    import csv, io
-    try:
-        row = next(csv.DictReader(io.StringIO((header + tail.split(b'\n', 1)[0]).decode())))
-        return f"step {row['step']} of run {row['run_id']}"
-    except (StopIteration, KeyError, UnicodeDecodeError, csv.Error): return 'a step cut before its first line'
-
-# %% ../nbs/02_recorder.ipynb #c2e74dbc
-def _read_csv(path):
-    raw = _committed(path, path.read_bytes())
-    if not raw.strip(): raise InputError(f"{path}: empty file, no sketches in it")
-    if not raw.endswith(b'\n'):
-        cut = raw.rfind(b'\n') + 1
-        warnings.warn(f"{path}: dropped an incomplete last line (the writer was interrupted mid-line)")
-        raw = raw[:cut]
-    import io
-    try: return pd.read_csv(io.BytesIO(raw), dtype={c: str for c in STR_COLS}, keep_default_na=False, na_values=[''])
-    except pd.errors.ParserError as e: raise InputError(f"{path}: malformed CSV: {e}") from None
-    except UnicodeDecodeError: raise InputError(f"{path}: not a text CSV file") from None
-
-def _read_parquet(path):
-    import pyarrow as pa, pyarrow.parquet as pq
-    try: return pq.read_table(path).to_pandas()
-    except (pa.ArrowInvalid, OSError) as e: raise InputError(f"{path}: not a readable Parquet file ({e})") from None
-
-INT64_LIMIT = 2.0 ** 63   # |integer column| below this, or int64 would wrap it silently
-
-def _check_int(raw, col, path, line0, c):
-    "Raise unless the numbers `col` (parsed from column `c`) are integers that int64 holds; name the first bad row."
-    bad = ~(col.abs() < INT64_LIMIT)
-    what = 'outside the int64 range'
-    if not bad.any(): bad, what = col % 1 != 0, 'not an integer'
-    if bad.any():
-        i = int(np.flatnonzero(bad.to_numpy())[0])
-        where = f"line {i + line0}" if line0 else f"row {i}"
-        raise InputError(f"{path}: {where}: column {c!r} holds {raw.iloc[i]}, {what} (column {c!r} must hold integers)")
-
-def _check(df, path, line0):
-    require_columns(df.columns, SCHEMA, str(path))
-    for c in INT_COLS + ['value']:
-        col = pd.to_numeric(df[c], errors='coerce')
-        bad = col.isna()
-        if c == 'value' and bad.any():   # NaN is a legitimate value (an undefined stat); other text is not a number
-            raw = df.loc[bad, c]
-            bad[bad] = raw.notna() & ~raw.astype(str).str.lower().isin(['nan', 'none', ''])
-        if bad.any():
-            i = int(np.flatnonzero(bad.to_numpy())[0])
-            where = f"line {i + line0}" if line0 else f"row {i}"
-            raise InputError(f"{path}: {where}: column {c!r} holds {df[c].iloc[i]!r}, not a number")
-        if c != 'value': _check_int(df[c], col, path, line0, c)
-        df[c] = col.astype(np.float64 if c == 'value' else np.int64)
-    df = as_strings(df, STR_COLS)   # an empty name ('' dist) stays '', not missing
-    old = df['stat'].isin(list(RENAMED_STATS))
-    if old.any(): df.loc[old, 'stat'] = df.loc[old, 'stat'].map(RENAMED_STATS)   # a schema-1 file
-    if 'rank' in df:
-        r = pd.to_numeric(df['rank'], errors='coerce')
-        if r.isna().any() or (r % 1 != 0).any(): raise InputError(f"{path}: column 'rank' must hold integers (a torch.distributed rank)")
-        df['rank'] = r.astype(np.int64)
-    rest = (['rank'] if 'rank' in df else []) + [c for c in df.columns if c not in SCHEMA and c != 'rank']
-    return df[SCHEMA + rest]
-
-def _read_dataset(path):
-    import pyarrow as pa, pyarrow.dataset as ds, pyarrow.parquet as pq
-    files = dataset_files(path)
-    if not files: raise InputError(f"{path}: a directory without Parquet part files, so no sketches in it (expected run_id=.../rank=.../part-*.parquet)")
-    keys = [p.split('=', 1)[0] for p in files[0].relative_to(path).parts[:-1] if '=' in p]
-    part = ds.partitioning(pa.schema([(k, PARTITION_TYPES.get(k, 'string')) for k in keys]), flavor='hive')
-    try: t = ds.dataset([str(f) for f in files], format='parquet', partitioning=part, partition_base_dir=str(path)).to_table()
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
-        for f in files:          # name the part that broke
-            try: pq.read_metadata(f)
-            except (pa.ArrowInvalid, OSError): raise InputError(f"{f}: not a readable Parquet file (part of the dataset {path})") from None
-        raise InputError(f"{path}: the dataset's parts do not fit together ({e})") from None
-    df = t.to_pandas()
-    return df[[c for c in SCHEMA if c in df] + [c for c in df if c not in SCHEMA]]
-
-# %% ../nbs/02_recorder.ipynb #64e5efb3
-def read_sketches(path)->pd.DataFrame:
-    "The tidy sketches in a `.csv` or `.parquet` file or a Parquet dataset directory, validated against `SCHEMA` (`rank` may follow)."
-    path = Path(path)
-    parts = path.with_name(path.name + '.parts')
-    if not path.exists():
-        if parts.is_dir() and any(parts.glob('part-*.parquet')):
-            warnings.warn(f"{path}: reading the parts of an interrupted run from {parts}")
-            return _check(_read_parts(parts).to_pandas(), path, 0)
-        raise FileNotFoundError(f"{path}: no such file")
-    if parts.is_dir() and path.is_file():   # the writer combined the parts into `path`, then was stopped before removing them
-        warnings.warn(f"{path}: ignoring the left-over parts folder {parts} (its steps are all in {path.name})")
-    if path.is_dir(): return _check(_read_dataset(path), path, 0)
-    fmt = path.suffix.lower()
-    if fmt == '.csv': return _check(_read_csv(path), path, 2)
-    if fmt == '.parquet': return _check(_read_parquet(path), path, 0)
-    raise InputError(f"{path}: unknown format {path.suffix or '(no extension)'!r}; expected .csv or .parquet, or a dataset directory")
 
 # %% ../nbs/02_recorder.ipynb #2badccdf
 def _call_args(batch):
