@@ -93,7 +93,7 @@ def _probe_sweep(path, seed):
 SHAPES_MAX_BATCH = 4096
 
 @call_parse
-def opscope_shapes(model:Param('mlp, transformer, moe, mnist, or a torchvision classifier (resnet50, vit_b_16, ...)',
+def opscope_shapes(model:Param(f"{', '.join(model_names('shapes'))}, or a torchvision classifier (resnet50, vit_b_16, ...)",
                                str, opt=False, nargs='?')='transformer',
                    batch:int=1, # batch size
                    top:int=10, # how many ops and GEMM shapes to list

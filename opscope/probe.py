@@ -198,6 +198,7 @@ def quantize(w:torch.Tensor, # the tensor to round
     s = (amax / q).clamp_min(torch.finfo(torch.float32).tiny)
     return (w / s).round().clamp(-q, q) * s
 
+# %% ../nbs/05_probe.ipynb #3fa809e6
 def quant_error(w:torch.Tensor, # the tensor to quantize
                 bits:int=8, # integer width: 8 for int8, 4 for int4
                 per_channel:bool=False, # one scale per slice along `dim`
@@ -240,6 +241,7 @@ def _rank_rows(name, w):
     yield name, 'rank@99%', f.rank, (f'factor: rank {f.rank} saves {f.saving:.0%} of MACs' if f.saving >= MIN_FACTOR_SAVING
                                      else f'keep dense: rank {f.rank} of {min(m, n)}') + tail
 
+# %% ../nbs/05_probe.ipynb #7a39f011
 def _quant_rows(name, w):
     for bits in (8, 4):
         for pc in (False, True):
@@ -248,6 +250,7 @@ def _quant_rows(name, w):
             yield name, f'int{bits} {how}', db, f'int{bits} {how} ok ({db:.1f} dB)' if db >= QUANT_OK_DB \
                 else f'int{bits} {how} too lossy ({db:.1f} dB)'
 
+# %% ../nbs/05_probe.ipynb #61047792
 def _tensor_rows(name, t):
     t = t.detach()
     bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
@@ -288,24 +291,28 @@ def rank_table(tensors:dict, # 'site/role' -> tensor, e.g. from `dump_sites`
     if run_id is not None: df.insert(0, 'run_id', pd.Series([str(run_id)] * len(df), dtype=object))
     return df
 
+
+# %% ../nbs/05_probe.ipynb #632c1405
 def probe_pointers(findings:pd.DataFrame, # from `miner.mine`
                    model, inputs, # the model and one batch of the run the findings are about
                    run_id:str=None, # only this run's pointers (default: all; then their sites must be the model's)
                   )->pd.DataFrame:
     "Dump the taps that `findings`' `deep-dump` pointers name, from one run of `model` on `inputs`, and `rank_table` them."
     p = findings[findings.exploit == 'deep-dump']
-    if run_id is not None: p = p[p.run_id == str(run_id)]
+    if run_id is not None: p = p[p.run_id.astype(str) == str(run_id)]
     if p.empty: return rank_table({}, run_id)
     dump = dump_sites(model, inputs, sites=sorted(set(p.site)), roles=tuple(sorted(set(p.role))))
-    want = set(p.site + '/' + p.role)
+    want = set(p.site.astype(str) + '/' + p.role.astype(str))
     return rank_table({k: v for k, v in dump.items() if k in want}, run_id)
 
+# %% ../nbs/05_probe.ipynb #b4c6a501
 def sweep_ranks(findings:pd.DataFrame, # `miner.mine` of sketches `recorder.sweep` recorded (run ids `dist-MxKxN`)
                 seed:int=0, structure_seed:int=0, # the sweep's seeds (step 0 is drawn with `seed`)
                )->pd.DataFrame:
     "`probe_pointers` for every sweep run with a `deep-dump` pointer: its step-0 batch drawn again, the pointed taps dumped and measured."
+    from opscope import zoo      # (zoo imports nothing of opscope; kept lazy like model_tensors)
     parts = []
-    for run in sorted(set(findings.loc[findings.exploit == 'deep-dump', 'run_id'])):
+    for run in sorted(set(findings.loc[findings.exploit == 'deep-dump', 'run_id'].astype(str))):
         m = re.fullmatch(r'(.+)-(\d+)x(\d+)x(\d+)', run)
         if m is None or m.group(1) not in zoo.DISTS:
             raise InputError(f"run {run!r} is not a sweep run (dist-MxKxN); dump its taps with probe.probe_pointers")
