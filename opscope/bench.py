@@ -72,10 +72,12 @@ def _np_sketch(a, bins=64):
                 chan_absmax=np.abs(clean).max(0), chan_density=(clean != 0).mean(0), row_energy=re,
                 hist=np.histogram(sample / (absmax + 1e-12), bins, (-1, 1))[0])
 
+# %% ../nbs/11_bench.ipynb #b012ench-s1
 def _hooks(model, fn):
     "Register `fn(module, inputs, output)` on every nn.Linear; returns the handles."
     return [m.register_forward_hook(fn) for m in model.modules() if isinstance(m, nn.Linear)]
 
+# %% ../nbs/11_bench.ipynb #b012ench-s2
 def _numpy_hook(store, wcache):
     "A hook sketching lhs and out of each call, and the weight once per change, with numpy on host copies."
     def hook(mod, inp, out):
@@ -85,6 +87,7 @@ def _numpy_hook(store, wcache):
         store.extend((_np_sketch(inp[0].detach().cpu().numpy()), wcache[id(w)][1], _np_sketch(out.detach().cpu().numpy())))
     return hook
 
+# %% ../nbs/11_bench.ipynb #b012ench-s3
 def _ao_observers(model):
     "A hook feeding every nn.Linear input to torch.ao's calibration observers (None where torch has none)."
     try: from torch.ao.quantization.observer import HistogramObserver, PerChannelMinMaxObserver   # optional in newer torch
@@ -102,12 +105,14 @@ def _hooked(model, x, fn):
     finally:
         for h in hs: h.remove()
 
+# %% ../nbs/11_bench.ipynb #b015ench-s1
 def _compiled(fn, x, compiler=torch.compile):
     "`compiler(fn)` and the seconds its first call (the compilation) took."
     c = compiler(fn)
     t0 = time.perf_counter(); c(x)
     return c, time.perf_counter() - t0
 
+# %% ../nbs/11_bench.ipynb #b015ench-s2
 def overhead_table(model:nn.Module, # the model to measure
                    x:torch.Tensor, # one input batch
                    repeats:int=7, # timed repeats per method (the fastest is reported)
@@ -215,6 +220,7 @@ def _peak_rss(fn, interval=0.01):
     finally: done.set(); th.join()
     return out, max(peak[0], proc.memory_info().rss - base)
 
+# %% ../nbs/11_bench.ipynb #b030ench-s1
 def tiled_sketches(n_rows:int, seed:int=0)->pd.DataFrame:
     "About `n_rows` tidy rows: a 4-step recording of a small zoo transformer, its steps repeated with new step ids."
     m, x = bench_model(1, 32, 8, 2, seed=seed)
@@ -224,6 +230,7 @@ def tiled_sketches(n_rows:int, seed:int=0)->pd.DataFrame:
     df = pd.concat([base] * reps, ignore_index=True)
     return df.assign(step=steps)
 
+# %% ../nbs/11_bench.ipynb #b030ench-s2
 def miner_throughput(n_rows:int=10**5, engines=('pandas', 'duckdb'))->pd.DataFrame:
     "Per engine: rows, findings, seconds, rows/s and peak added memory (MiB) of `mine` over `n_rows` tidy rows."
     df, rows = tiled_sketches(n_rows), []
@@ -255,6 +262,7 @@ def bench_report(full:bool=False, # the goal sizes (minutes, compiles) instead o
     rep['miner'] = miner_throughput(miner_rows or (10**7 if full else 3 * 10**4))
     return rep
 
+# %% ../nbs/11_bench.ipynb #b033ench-s1
 def _reasons(rep, got):
     "Why each figure is where it is, from the run's own tables (printed beside a missed goal)."
     e, o = rep['eager'].set_index('method'), rep['online'].set_index('every')
@@ -288,6 +296,7 @@ def _reasons(rep, got):
         why['graph breaks (injected, compiled)'] = 'Dynamo traces the whole injected graph as one'
     return why
 
+# %% ../nbs/11_bench.ipynb #b033ench-s2
 def goal_table(rep:dict)->pd.DataFrame:
     "Each goal's measured figure (of the fastest repeats) and the same from the medians, target, whether it is met, and why the figure is where it is."
     e, o = rep['eager'].set_index('method'), rep['online'].set_index('every')

@@ -36,6 +36,7 @@ class CliError(Exception):
 
 EXPECTED_ERRORS = (CliError, InputError, OSError, ImportError, NotImplementedError)   # input and environment, never a bug
 
+# %% ../nbs/09_cli.ipynb #3615fb9d-s1
 def _message(e:BaseException)->str:
     "The one line printed for an expected error: an OS error as `path: reason`."
     if isinstance(e, OSError) and e.strerror:
@@ -43,6 +44,7 @@ def _message(e:BaseException)->str:
         return f"{where}: {e.strerror}" if where else e.strerror
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
+# %% ../nbs/09_cli.ipynb #3615fb9d-s2
 @contextlib.contextmanager
 def cli_errors(prog:str): # the command's name, printed before the message
     "Turn input and environment failures inside the block into one line on stderr and `SystemExit(2)`; a bug keeps its traceback."
@@ -76,6 +78,7 @@ def opscope_probe(model:str='mnist', # mnist, minilm or transformer
         print(probe_report(probe(ts)))
         if dump: print(f'\nsaved {len(ts)} tensors to {dump}')
 
+# %% ../nbs/09_cli.ipynb #617c831f-s1
 def _probe_sweep(path, seed):
     "Each deep-dump pointer of the sweep at `path`, confirmed as low-rank or retracted, one line each."
     sk = read_sketches(path)
@@ -118,11 +121,13 @@ def _probe_writable(folder:Path):
         with tempfile.TemporaryFile(dir=folder): pass
     except OSError as e: raise CliError(f"{folder}: cannot write there ({e.strerror or e})") from None
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s1
 def _leftovers(p:Path)->list:
     "What an earlier recording left at `p`: the file or dataset, its parts folder, its commit log."
     extra = [p.with_name(p.name + s) for s in ('.parts', COMMIT_SUFFIX)]
     return [q for q in [p] + extra if q.exists() and not (q.is_dir() and not any(q.iterdir()))]
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s2
 def check_recording_out(out:str, # the recording CLI's OUT argument
                         force:bool=False, # replace what is there instead of refusing
                        )->tuple:
@@ -143,11 +148,14 @@ def check_recording_out(out:str, # the recording CLI's OUT argument
     if dataset and p.is_dir(): _probe_writable(p)
     return p, dataset
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s3
 class _Terminated(BaseException):
     "SIGTERM, raised in the main thread so the recording closes like on Ctrl-C."
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s4
 def _on_sigterm(signum, frame): raise _Terminated()
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s5
 @contextlib.contextmanager
 def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
               prog:str, # the command's name, for the interrupt message
@@ -169,6 +177,7 @@ def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
         rec.close()
         signal.signal(signal.SIGTERM, old)
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s6
 def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_write`
                     suffix:str='.csv', # the extension it must have
                    )->Path:
@@ -181,6 +190,7 @@ def check_whole_out(out:str, # a small whole-file output (findings, a plan), wri
     _probe_writable(parent)
     return p
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s7
 def in_range(name:str, # the argument, as the user types it (`--steps`, `LAYERS`)
              value, lo=None, hi=None, # inclusive bounds (None: open)
              why:str='', # what the bound protects, shown with it
@@ -191,6 +201,7 @@ def in_range(name:str, # the argument, as the user types it (`--steps`, `LAYERS`
         raise CliError(f"{name} must be {rng}{f' ({why})' if why else ''}, not {value}")
     return value
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s8
 def positive(name:str, value:float, why:str='')->float:
     "`value` if it is a positive finite number, else a `CliError` saying so."
     if not (math.isfinite(value) and value > 0): raise CliError(f"{name} must be a positive finite number{f' ({why})' if why else ''}, not {value}")
@@ -199,6 +210,7 @@ def positive(name:str, value:float, why:str='')->float:
 SEED_MAX = 2**32 - 1          # numpy's and torch's generators both take it
 SWEEP_MAX_STEPS = 100_000     # 2.8 M calls: days of work, so a typo, not a plan
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-s9
 @call_parse
 def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory (trailing / or no extension)
                   steps:int=4, # calls per (shape, distribution) run
@@ -286,6 +298,7 @@ def record_to(out:str, # OUT: a .csv or .parquet file, or a dataset directory
 SEQ_MAX_STEPS = 20_000     # the token stream is built in memory first: about 6 KiB per step
 MNIST_MAX_BATCHES = 937    # 60,000 MNIST training images in batches of 64
 
+# %% ../nbs/09_cli.ipynb #0bcbd99c-s1
 def _record_zoo(cmd, name, what, n, lo, hi, why, seed, out, force):
     "A recording CLI's body: check the count `n` and the seed, then record `n` steps of the registered zoo workload `name` to `out`."
     with cli_errors(cmd):
@@ -293,6 +306,7 @@ def _record_zoo(cmd, name, what, n, lo, hi, why, seed, out, force):
         in_range('--seed', seed, 0, SEED_MAX)
         record_to(out, lambda: get_model(name).workload(n, seed), name, get_model(name).dist, cmd, force)
 
+# %% ../nbs/09_cli.ipynb #0bcbd99c-s2
 @call_parse
 def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                 steps:Param('calls: one prefill, then decode calls', int, opt=False, nargs='?')=16,
@@ -302,6 +316,7 @@ def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a 
     "Record a decode-like stepped run of the causal zoo transformer to OUT."
     _record_zoo('opscope-seq', 'seq', 'STEPS', steps, 2, SEQ_MAX_STEPS, "a prefill and decode calls; the token stream is built in memory", seed, out, force)
 
+# %% ../nbs/09_cli.ipynb #0bcbd99c-s3
 @call_parse
 def opscope_mnist(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                   batches:Param('batches of 64 real MNIST images', int, opt=False, nargs='?')=12,
@@ -318,6 +333,7 @@ MAX_CHAIN = 64     # op chains longer than this are never a fusion target
 def _print_df(df, empty:str):
     print(df.to_string(index=False) if len(df) else empty)
 
+# %% ../nbs/09_cli.ipynb #bd0de43e-s1
 @call_parse
 def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int, opt=False, nargs='?')=6,
                    max_len:int=4, # longest chain counted, in ops
@@ -330,6 +346,7 @@ def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int
         print(f"{g.source}: {len(g)} nodes")
         _print_df(op_motifs(g, max_len), 'no recurring chains')
 
+# %% ../nbs/09_cli.ipynb #bd0de43e-s2
 @call_parse
 def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='?')=6,
                  model:Param("which zoo model", str, opt=False, nargs='?', choices=list(model_names('flow')))='transformer',
@@ -343,6 +360,7 @@ def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='
         print(f"{g.source}: {len(g)} nodes")
         _print_df(dataflow_motifs(g, depth), 'no repeated blocks')
 
+# %% ../nbs/09_cli.ipynb #bd0de43e-s3
 @call_parse
 def opscope_graph(file:str, # a graph file: .txt/.edges/.el edge list, .onnx, or .pt2 (torch.export)
                   max_len:int=4, # longest op chain counted
@@ -385,6 +403,7 @@ def _plan_exploits(exploits, planned):
     if bad: raise CliError(f"--exploits: {bad[0]!r} is not an exploit with a kernel; choose from {', '.join(planned)}")
     return names
 
+# %% ../nbs/09_cli.ipynb #bd77f25b-s1
 @call_parse
 def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / opscope-sweep
                  out:str=None, # also write the plan table here (.csv)
@@ -406,7 +425,6 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
             with atomic_write(out) as tmp: plans.to_csv(tmp, index=False)
             print(f"\n{len(plans)} plan rows → {out}")
 
-
 # %% ../nbs/09_cli.ipynb #667a11d5
 INFER_MAX_STEPS = 256
 
@@ -417,6 +435,7 @@ def _infer_report(found)->str:
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     return '\n'.join('  '.join(c.ljust(w[i]) for i, c in enumerate(r[:3])) + '  ' + r[3] for r in rows)
 
+# %% ../nbs/09_cli.ipynb #667a11d5-s1
 @call_parse
 def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                   model:str=None, # transformer, moe or minilm (default: all three), or FILE.py:FACTORY
@@ -476,11 +495,13 @@ def _user_job(model, hf, prompts, max_new_tokens, keep):
     name = model.rpartition(':')[2]
     return name, lambda sink: record(m, batches, run_id=name, sink=sink, progress=True, keep=keep)
 
+# %% ../nbs/09_cli.ipynb #f374fc4b-s1
 def _counts(r)->str:
     "rows, steps and sites of what a recording returned (the rows, or `record`'s `Recorded` summary)."
     rows, steps, sites = (r.rows, r.steps, len(r.sites)) if hasattr(r, 'sites') else (len(r), r.step.nunique(), r.site.nunique())
     return f"{rows:,} rows: {steps} steps × {sites} sites"
 
+# %% ../nbs/09_cli.ipynb #f374fc4b-s2
 @call_parse
 def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a dataset directory
                    model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
@@ -496,6 +517,7 @@ def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a datase
         with recording(out, 'opscope-record', force) as rec: r = run(rec)
         print(f"{name}: wrote {_counts(r)} → {out}")
 
+# %% ../nbs/09_cli.ipynb #f374fc4b-s3
 def _infer_user(out, model, hf, prompts, max_new_tokens, force):
     "`opscope-infer` on a user's model: record it to OUT and print the attention and routing findings."
     with cli_errors('opscope-infer'):

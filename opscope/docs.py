@@ -45,6 +45,7 @@ def sidebar_entries(nbs_path=None, # the notebooks folder (default: nbdev's `nbs
     walk(contents, None)
     return rows
 
+# %% ../nbs/10_docs.ipynb #fd3667c9-s1
 def sidebar_pages(nbs_path=None)->list[str]:
     "The notebooks the sidebar lists, each once, in sidebar order."
     return list(dict.fromkeys(r['nb'] for r in sidebar_entries(nbs_path)))
@@ -82,6 +83,7 @@ def _cell_opts(src):
     while lines and (m := _re_opt.match(lines[0])): opts[m[1]] = m[2].strip('"\''); lines.pop(0)
     return opts, '\n'.join(lines)
 
+# %% ../nbs/10_docs.ipynb #f253c23f-s1
 def _frontmatter(nb):
     "Pop nbdev's frontmatter raw cell; its fields as a dict."
     c = nb.cells[0] if nb.cells else None
@@ -89,6 +91,7 @@ def _frontmatter(nb):
     nb.cells.pop(0)
     return _need('yaml').safe_load(c.source.strip().strip('-')) or {}
 
+# %% ../nbs/10_docs.ipynb #f253c23f-s2
 def _relink(text, links):
     text = _re_attr.sub(r'\1', text)
     for a, b in links.items(): text = text.replace(a, b)

@@ -144,6 +144,7 @@ def _in_jupyter():
     ip = get_ipython()
     return ip is not None and 'IPKernelApp' in getattr(ip, 'config', {})
 
+# %% ../nbs/02a_explore.ipynb #39b8bd19-s1
 def explore(sketches, # a DataFrame or a .csv/.parquet path
             interactive:bool|None=None, # None: widgets in Jupyter, a static plot elsewhere
            ):

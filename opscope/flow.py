@@ -155,6 +155,7 @@ def _fx_orig(node, modules):
     mod = getattr(t, '__module__', None) or ''
     return f"{mod}.{getattr(t, '__name__', str(t))}".lstrip('.')
 
+# %% ../nbs/04_flow.ipynb #faef4626-s1
 def _is_meta(node, meta):
     "Shape bookkeeping: `x.shape`, `x.size()`, `sym_size`, or an op fed only by such values."
     if node.op == 'call_function' and getattr(node.target, '__name__', '') == 'getattr':
@@ -165,12 +166,14 @@ def _is_meta(node, meta):
         return bool(ins) and all(i in meta for i in ins)
     return False
 
+# %% ../nbs/04_flow.ipynb #faef4626-s2
 def _shape_of(node):
     v = node.meta.get('val', node.meta.get('tensor_meta'))
     s = getattr(v, 'shape', None)
     try: return tuple(int(d) for d in s) if s is not None else None
     except TypeError: return None
 
+# %% ../nbs/04_flow.ipynb #faef4626-s3
 def _from_fx_graph(graph, modules, placeholder_kind, source):
     nodes, meta = [], set()
     for n in graph.nodes:
@@ -348,6 +351,7 @@ def read_edgelist(path, # a text file: one `ID OP [INPUT_ID ...] [shape=...]` li
     if not nodes: raise GraphError(f"{path}: no nodes (one 'ID OP [INPUT_ID ...]' line per node)")
     return OpGraph(nodes, str(path), lines)
 
+# %% ../nbs/04_flow.ipynb #2176e35c-s1
 def write_edgelist(g:OpGraph, # the graph to write
                    path, # the text file to write
                   ):
@@ -384,12 +388,14 @@ def _reach(starts, nbrs, n):
             if not seen[v]: seen[v] = True; stack.append(v)
     return seen
 
+# %% ../nbs/04_flow.ipynb #3ea368eb-s1
 def _users(g):
     us = [[] for _ in range(len(g))]
     for i, ins in enumerate(g.ins):
         for u in set(ins): us[u].append(i)
     return us
 
+# %% ../nbs/04_flow.ipynb #3ea368eb-s2
 def _data_inputs(g):
     "The graph's `input` nodes; without any, its source nodes that are not weights or constants."
     starts = [i for i, o in enumerate(g.ops) if o == 'input'] or \
@@ -454,6 +460,7 @@ def _main_and_live(g, users):
     live = [f and b and g.ops[i] != 'output' for i, (f, b) in enumerate(zip(reach[main], back))]
     return main, live, outs
 
+# %% ../nbs/04_flow.ipynb #3df7643f-s1
 def _cut_vertices(g, main, live, outs):
     "Live nodes that no live edge jumps over, in topological order (the main input first)."
     n = len(g)
@@ -496,12 +503,14 @@ def _period(seq)->int:
         fail[i] = k
     return len(seq) - fail[-1] if seq else 0
 
+# %% ../nbs/04_flow.ipynb #9451cc57-s1
 def _split_chain(run, key):
     "A run of single-node blocks, cut into units of its smallest period when that unit repeats."
     p = _period([key[b[0]] for b in run])
     if p * 2 > len(run): return [[v for b in run for v in b]]
     return [[v for b in run[k:k + p] for v in b] for k in range(0, len(run), p)]
 
+# %% ../nbs/04_flow.ipynb #9451cc57-s2
 def _split_trees(block, users):
     "A block cut at every node whose value is read more than once (or outside the block): single-use trees."
     inside, trees, owner = set(block), [], {}

@@ -31,6 +31,7 @@ def _shape_prop(gm, args, kwargs):
     with contextlib.redirect_stderr(io.StringIO()):   # ShapeProp prints the traceback it re-raises; trace falls back on it
         ShapeProp(gm).propagate(*args)
 
+# %% ../nbs/01_inject.ipynb #3a0ebbbb-s1
 def _auto_dims(model, args, kwargs):
     "Let torch.export decide, per dimension, whether it is dynamic (batch and sequence length usually are)."
     import inspect
@@ -43,11 +44,13 @@ EAGER_EXPERTS = ("cannot trace {}: its MoE experts run eagerly (experts_implemen
                  "(or 'batched_mm'), e.g. from_config(cfg, experts_implementation='grouped_mm'), or call "
                  "model.set_experts_implementation('grouped_mm')")
 
+# %% ../nbs/01_inject.ipynb #3a0ebbbb-s2
 def _eager_experts(model):
     "True for a transformers model whose experts run the eager per-expert loop."
     impl = getattr(getattr(model, 'config', None), '_experts_implementation', None)
     return impl == 'eager' and any(type(m).__name__.endswith('Experts') for m in model.modules())
 
+# %% ../nbs/01_inject.ipynb #3a0ebbbb-s3
 def trace(model:nn.Module, # the model to trace (left untouched)
           *example_inputs, # positional inputs for one call
           how:str='auto', # 'fx', 'export', or 'auto' (fx, then export if fx fails)
@@ -121,15 +124,18 @@ def _einsum_operands(node):
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)): ops = ops[0]
     return ops if len(ops) == 2 else None
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s1
 def _module_path(node):
     stack = node.meta.get('nn_module_stack')
     if not stack: return '', None
     path, typ = list(stack.values())[-1]
     return path, typ
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s2
 def _arg(node, i, name, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s3
 def _meta_shape(node):
     if not isinstance(node, fx.Node): return None
     tm = node.meta.get('tensor_meta')
@@ -137,12 +143,14 @@ def _meta_shape(node):
     v = node.meta.get('val')
     return tuple(_hint(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s4
 def _hint(d):
     "A dimension as an int: a dynamic (symbolic) dimension from torch.export gives its example value."
     if isinstance(d, int): return d
     try: return int(d.node.hint)
     except Exception: return None
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s5
 def _conv_spec(gm, node):
     "(op, lhs, rhs, extra) if `node` is a convolution, else None."
     if node.op == 'call_module':
@@ -155,10 +163,12 @@ def _conv_spec(gm, node):
     if tr is None: tr = bool(_arg(node, 6, 'transposed', False))
     return op, node.args[0], _arg(node, 1, 'weight', None), dict(transposed=tr, groups=int(_arg(node, ig, 'groups', 1)))
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s6
 def _is_grouped(node):
     t = node.target
     return node.op == 'call_function' and (t in GROUPED_FNS or isinstance(t, torch._ops.OpOverload) and t._schema.name in GROUPED_OPS)
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s7
 def _gathered(gm, node):
     "The parameter path if `node` gathers rows of a stacked 3-D parameter by one index tensor (`w[expert_ids]`), else None."
     if not (isinstance(node, fx.Node) and node.op == 'call_function' and node.target in (_aten.index.Tensor, operator.getitem)): return None
@@ -168,6 +178,7 @@ def _gathered(gm, node):
     w = _get_attr(gm, src.target)
     return (src.target, idx, tuple(w.shape)) if isinstance(w, torch.Tensor) and w.dim() == 3 else None
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s8
 def _batched_experts(gm, node, op, a, b):
     "A `bmm` of gathered expert weights (transformers' `batched_mm` experts): (op, lhs, rhs, 'gathered', extra), else None."
     for w, x, out_in in ((a, b, True), (b, a, False)):   # W[ids] @ x[..., None]  or  x[:, None] @ W[ids]
@@ -175,6 +186,7 @@ def _batched_experts(gm, node, op, a, b):
         if g is not None: return op, x, g[0], 'gathered', dict(ids=g[1], weight_shape=g[2], stored_out_in=out_in)
     return None
 
+# %% ../nbs/01_inject.ipynb #f7ca1556-s9
 def _classify(gm, node):
     "(op, lhs, rhs, kind, extra) if `node` is a matmul, a convolution or a grouped matmul, else None."
     if node.op == 'call_module' and isinstance(gm.get_submodule(node.target), nn.Linear):
@@ -204,17 +216,20 @@ def site_name(node:fx.Node, # a GEMM-like node
     if op == 'linear' and cls.endswith('Linear') or op.startswith('conv') and cls.startswith('Conv'): return path
     return f'{path}.{op}' if path else op
 
+# %% ../nbs/01_inject.ipynb #0dd7cfeb-s1
 def expert_site(name:str, # the grouped matmul's site name
                 expert:int)->str:
     "The site name of one expert of a grouped matmul."
     return f'{name}.expert{expert}'
 
+# %% ../nbs/01_inject.ipynb #0dd7cfeb-s2
 def _expert_sites(name, op, node, lhs, rhs, extra):
     "One `Site` per expert of a grouped matmul (the expert count from the weight's shape)."
     ws = extra.get('weight_shape') or _meta_shape(rhs)
     if ws is None or ws[0] is None: raise InputError(f"cannot tell how many experts {node.format_node()} has: no shape on its weight")
     return [Site(expert_site(name, e), op, node, lhs, rhs, 'expert', dict(extra, expert=e, experts=ws[0])) for e in range(ws[0])]
 
+# %% ../nbs/01_inject.ipynb #0dd7cfeb-s3
 def site_names(gm:fx.GraphModule)->dict:
     "{node name: site name} for every GEMM-like node of `gm` (a grouped or gathered-expert matmul's name is its experts' prefix)."
     names, seen = {}, {}
@@ -226,6 +241,7 @@ def site_names(gm:fx.GraphModule)->dict:
         names[node.name] = base if n == 0 else f'{base}_{n}'
     return names
 
+# %% ../nbs/01_inject.ipynb #0dd7cfeb-s4
 def matmul_sites(gm:fx.GraphModule)->list[Site]:
     "Every GEMM-like site in `gm` (matmuls, convolutions, one per expert of a grouped matmul), in graph order, named by `site_names`."
     names, sites = site_names(gm), []
@@ -261,6 +277,7 @@ SCRATCH_MAX = 1 << 24  # eager CPU sketches of tensors up to this many elements 
 
 _SCRATCH = threading.local()
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s1
 def _scratch(slot:int, x2:torch.Tensor)->torch.Tensor:
     "A (rows, channels) buffer like `x2` for the sketch's own temporaries: on CPU a reused per-thread buffer (its pages stay mapped), else fresh."
     n = x2.numel()
@@ -270,6 +287,7 @@ def _scratch(slot:int, x2:torch.Tensor)->torch.Tensor:
     if b is None or b.numel() < n: b = bufs[(slot, x2.dtype)] = torch.empty(n, dtype=x2.dtype)
     return b[:n].view(x2.shape)
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s2
 def _passes_eager(x2, T):
     "The full-size passes in eager mode: float kernels only, written into two scratch buffers (clean, and one reused with `out=`)."
     R, C = x2.shape
@@ -282,6 +300,7 @@ def _passes_eager(x2, T):
     prod = torch.mul(rows[:, 1:], rows[:, :-1], out=flat[:(R // T) * (T - 1) * C].view(R // T, T - 1, C))
     return clean, s1, s2, clean.sum(), clean.amax(0), clean.amin(0), nz, torch.linalg.vector_norm(clean, dim=-1), prod.sum(-1)
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s3
 def _passes_compiled(x2, T):
     "The same passes under `torch.compile`: vectorized compares (Inductor's CPU isnan is a scalar loop), per-row sums and a shifted read, all fusable into one row loop."
     fin = x2.abs() < math.inf
@@ -291,6 +310,7 @@ def _passes_compiled(x2, T):
     return (clean, code.sum(-1).sum(), (code * code).sum(-1).sum(), clean.sum(-1).sum(), clean.amax(0), clean.amin(0),
             (clean != 0).to(clean.dtype).sum(0), torch.linalg.vector_norm(clean, dim=-1), dots)
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s4
 def sample_stride(n, C):
     "The element stride at which the histogram and `nearzero` read about `HIST_SAMPLE` of the `n` values of a (rows × `C`) tensor: coprime with `C`, so every channel and every row is read (a stride sharing a factor with `C` reads only some channels)."
     s = torch.sym_max(n // HIST_SAMPLE, 1)
@@ -298,6 +318,7 @@ def sample_stride(n, C):
     while math.gcd(s, C) != 1: s += 1
     return s
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s5
 def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
     "The sketch of `x` as one flat tensor: the `SCALARS`, then `hist`, `chan_absmax`, `chan_density`, `row_energy` (`_unpack` splits it)."
     x2, T = _as_rows(x.detach())
@@ -321,24 +342,29 @@ def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
                            ms.sqrt(), nz.sum() / n, nearzero, s1 - 2 * inf, inf, adj_cos])
     return torch.cat([scalars, hist, chan_absmax, nz / R, row_energy])
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s6
 def _empty_packed(x2, bins):
     R, C = x2.shape
     nan = float('nan')
     scalars = x2.new_tensor([0, nan, nan, nan, nan, nan, nan, nan, nan, 0, 0, nan])
     return torch.cat([scalars, x2.new_zeros(bins), x2.new_full((2 * C,), nan), x2.new_zeros(R)])
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s7
 def _channels(x): return x.shape[-1] if x.dim() else 1
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s8
 def _unpack(flat:torch.Tensor, C:int, bins:int)->tuple:
     "A packed sketch as the `STATS` tuple (views of `flat`): 12 scalars, then chan_absmax, chan_density (C each), row_energy, hist."
     scalars, hist, chan_absmax, chan_density, row_energy = torch.split(flat, (len(SCALARS), bins, C, C, flat.shape[0] - len(SCALARS) - bins - 2 * C))
     return (*scalars.unbind(), chan_absmax, chan_density, row_energy, hist)
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s9
 def pack(stats:tuple)->torch.Tensor:
     "A `STATS` tuple (e.g. `sketch_rows`') as one flat tensor in the packed layout that `_unpack` splits."
     s = stats[:len(SCALARS)]
     return torch.cat([torch.stack([v.to(stats[-1].dtype) for v in s]), stats[-1], stats[-4], stats[-3], stats[-2]])
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s10
 def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); read detached, never part of autograd
            bins:int=64, # histogram bins over [-1, 1] of x / absmax
           )->tuple:
@@ -348,10 +374,12 @@ def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); 
 SKETCH_REGION_SHAPES = 256  # distinct tapped-tensor shapes one compiled graph may hold (torch's default, 8, is too few)
 _sketch_region = torch.compiler.nested_compile_region(_packed, max_reuse_entries=SKETCH_REGION_SHAPES)
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s11
 def _sketch_impl(x:torch.Tensor, bins:int)->torch.Tensor:
     "The packed sketch as one opaque operator: a compiler traces one node per tap, which runs the eager sketch's kernels."
     return _packed(x, bins)
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s12
 def _sketch_fake(x, bins):
     "The operator's output shape and dtype, from `x`'s alone (no data)."
     R, C = (math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else (1, 1)
@@ -363,11 +391,13 @@ _sketch_op = torch.ops.opscope.sketch
 
 SKETCH_KERNELS = 'inductor'  # under torch.compile: 'inductor' traces each sketch (a nested region, once per shape) for Inductor to fuse; 'op' runs it as the opaque `opscope::sketch`
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s13
 def _sketch_node(x, bins):
     "The graph's sketch node: the packed sketch, as `opscope::sketch` or (`SKETCH_KERNELS='inductor'`) a nested compile region traced once per tensor shape."
     if torch.compiler.is_compiling() and SKETCH_KERNELS == 'inductor': return _sketch_region(x, bins)
     return _sketch_op(x.detach(), bins) if torch.compiler.is_compiling() else _packed(x, bins)
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-s14
 def _unpack_node(flat, x, bins):
     "The graph's unpack node: the tap's packed sketch as the `STATS` tuple."
     return _unpack(flat, _channels(x), bins)
@@ -383,6 +413,7 @@ def _proj(n, dtype, device, salt):
         _PROJ[key] = (torch.rand(n, generator=g) + 0.5).to(dtype=dtype, device=device)
     return _PROJ[key]
 
+# %% ../nbs/01_inject.ipynb #7a1f7fc2-s1
 def _odd(n, device):
     key = (n, 'odd', device)
     if key not in _PROJ:
@@ -390,6 +421,7 @@ def _odd(n, device):
         _PROJ[key] = (torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64) | 1).to(device)
     return _PROJ[key]
 
+# %% ../nbs/01_inject.ipynb #7a1f7fc2-s2
 def _checksum(w:torch.Tensor)->torch.Tensor:
     "Two int64s that change with any write to `w`'s values: the row-weighted exact sum of its bit patterns, and a random projection's bits."
     w2 = w.detach().reshape(-1, w.shape[-1] if w.dim() else 1)
@@ -402,16 +434,20 @@ def _checksum(w:torch.Tensor)->torch.Tensor:
     proj = torch.mv(f, _proj(f.shape[1], f.dtype, f.device, 0)).dot(_proj(f.shape[0], f.dtype, f.device, 1))
     return torch.stack([exact, proj.double().view(torch.int64)])
 
+# %% ../nbs/01_inject.ipynb #7a1f7fc2-s3
 def _sketch_sizes(R, C, bins): return (len(SCALARS), bins, C, C, R)
 
+# %% ../nbs/01_inject.ipynb #7a1f7fc2-s4
 def _flat_sketch(w, bins):
     "The packed sketch of `w` as float32: the weight cache's storage."
     return _packed(w, bins).float()
 
+# %% ../nbs/01_inject.ipynb #7a1f7fc2-s5
 def _split_sketch(buf, C:int, bins:int):
     "A cached packed weight sketch as the `STATS` tuple; a copy, so a later refresh never changes stats already returned."
     return _unpack(buf.clone(), C, bins)
 
+# %% ../nbs/01_inject.ipynb #7a1f7fc2-s6
 def _resolve(gm, path): return functools.reduce(getattr, path.split('.'), gm)
 
 # %% ../nbs/01_inject.ipynb #a1f7fc2b
@@ -437,6 +473,7 @@ def refresh_static(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass ov
             n += 1
     return n
 
+# %% ../nbs/01_inject.ipynb #a1f7fc2b-s1
 def _refresh_hook(mod, args):
     "Refresh the weight sketches before an eager call."
     # Dynamo traces module hooks, so under torch.compile this is skipped (it is Python with a host read):
@@ -447,11 +484,13 @@ def _refresh_hook(mod, args):
 def _mha_signature(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None, average_attn_weights=True,
                    is_causal=False): pass
 
+# %% ../nbs/01_inject.ipynb #c5e69189-s1
 def _mha_heads(t, heads, batch_first):
     "(batch, tokens, embed) — or (tokens, batch, embed) — as (batch, heads, tokens, head_dim)."
     if not batch_first: t = t.transpose(0, 1)
     return t.unflatten(-1, (heads, -1)).transpose(1, 2)
 
+# %% ../nbs/01_inject.ipynb #c5e69189-s2
 def _mha_scores(s, attn_mask, key_padding_mask):
     "Scaled scores with `nn.MultiheadAttention`'s mask semantics (a boolean True means *masked out*)."
     B, H, L, S = s.shape
@@ -463,14 +502,17 @@ def _mha_scores(s, attn_mask, key_padding_mask):
         s = s.masked_fill(m, float('-inf')) if m.dtype == torch.bool else s + m
     return s
 
+# %% ../nbs/01_inject.ipynb #c5e69189-s3
 def _mha_merge(o, batch_first):
     "(batch, heads, tokens, head_dim) back to the module's layout."
     o = o.transpose(1, 2).flatten(-2)
     return o if batch_first else o.transpose(0, 1)
 
+# %% ../nbs/01_inject.ipynb #c5e69189-s4
 def _mha_result(out, p, need_weights, average):
     return out, (p.mean(1) if average else p) if need_weights else None
 
+# %% ../nbs/01_inject.ipynb #c5e69189-s5
 def _meta_val(x, gm):
     "A meta tensor with `x`'s shape and dtype (for shapes in the manifest), or `x` itself if it is not a tensor node."
     if not isinstance(x, fx.Node): return x
@@ -481,10 +523,12 @@ def _meta_val(x, gm):
     if tm is not None and hasattr(tm, 'shape'): return torch.empty(tuple(_hint(d) for d in tm.shape), dtype=tm.dtype, device='meta')
     raise InputError(f'no shape on {x.format_node()}')
 
+# %% ../nbs/01_inject.ipynb #c5e69189-s6
 def _get_attr(gm, path):
     mod, _, name = path.rpartition('.')
     return getattr(gm.get_submodule(mod) if mod else gm, name)
 
+# %% ../nbs/01_inject.ipynb #c5e69189-s7
 def _propagate_meta(gm, nodes):
     "Fill `meta['val']` of new nodes by running them on meta tensors (best effort: shapes only)."
     for n in nodes:
@@ -496,6 +540,7 @@ def _propagate_meta(gm, nodes):
 def _mha_decomposable(mod):
     return (mod.bias_k is None and not mod.add_zero_attn and (mod.dropout == 0 or not mod.training))
 
+# %% ../nbs/01_inject.ipynb #ab03c95d-s1
 def _decompose_mha_one(gm, graph, node):
     "Replace one `nn.MultiheadAttention` call by in-projection, Q·Kᵀ, scale + mask, softmax, P·V and out-projection nodes."
     import inspect
@@ -538,6 +583,7 @@ def _mha_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == 'call_module' and isinstance(gm.get_submodule(n.target), nn.MultiheadAttention)
             and _mha_decomposable(gm.get_submodule(n.target))]
 
+# %% ../nbs/01_inject.ipynb #f5643c86-s1
 def decompose_attention(gm:fx.GraphModule, # from `trace`; left untouched
                        )->fx.GraphModule:
     "`gm` with every `nn.MultiheadAttention` module and `scaled_dot_product_attention` call written as matmul + softmax + matmul (`gm` itself if it has none)."
@@ -579,6 +625,7 @@ def _set_outputs(gm, out_node, primary, stat_nodes):
         out_node.args = ((primary, {**have, **stat_nodes}),)
     gm.meta['opscope_injected'] = True
 
+# %% ../nbs/01_inject.ipynb #2bb19141-s1
 def _merge_manifest(gm, rows):
     "The manifest of an earlier pass (if any) extended by `rows`."
     new = pd.DataFrame(rows)
@@ -600,10 +647,12 @@ def _tap(graph, x, bins, cached=None):
     with graph.inserting_after(sk):
         return {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
 
+# %% ../nbs/01_inject.ipynb #95592b8d-s1
 def _is_static(gm, x):
     if isinstance(x, str): return True
     return isinstance(x, fx.Node) and x.op == 'get_attr'
 
+# %% ../nbs/01_inject.ipynb #95592b8d-s2
 def _static_state(new, gm, bins, mode):
     "The weight cache's state, kept in `meta` so passes over this module share it (and its buffers)."
     old = gm.meta.get('opscope_static')
@@ -611,6 +660,7 @@ def _static_state(new, gm, bins, mode):
     new.meta['opscope_static'] = {**st, 'bins': bins, 'content': mode != 'version'}
     return new.meta['opscope_static']
 
+# %% ../nbs/01_inject.ipynb #95592b8d-s3
 def _cache_weight(new, st, path):
     "Register the cached-sketch buffer of the weight at `path`; returns `(buffer name, R, C)` for `_tap`."
     w = _resolve(new, path)
@@ -620,6 +670,7 @@ def _cache_weight(new, st, path):
     st['paths'].append(path); st['bufs'].append(name)
     return name, R, C
 
+# %% ../nbs/01_inject.ipynb #95592b8d-s4
 def _install_refresh(new):
     "The forward pre-hook that refreshes cached weight sketches before the graph runs (outside any compiled region)."
     if new.meta.get('opscope_static', {}).get('paths'): new.register_forward_pre_hook(_refresh_hook)
@@ -669,6 +720,7 @@ def sketch_groups(x:torch.Tensor, # any tensor; viewed as rows × channels (last
     return (n, cmin.amin(-1), cmax.amax(-1), mean, std, absmax, ms.sqrt(), chan_density.mean(-1), nearzero, nan, inf,
             adj_cos, chan_absmax, chan_density, row_energy, hist)
 
+# %% ../nbs/01_inject.ipynb #768df1ee-s1
 def sketch_rows(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
                 keep:torch.Tensor, # bool, one per row: the rows that belong to the site
                 bins:int=64, # histogram bins over [-1, 1] of x / absmax
@@ -682,28 +734,34 @@ def _channels_last(x):
     "A conv activation (batch, channels, *spatial) as (batch, *spatial, channels): rows are positions, channels last."
     return x.movedim(1, -1)
 
+# %% ../nbs/01_inject.ipynb #c41aa0d9-s1
 def _conv_weight(w, transposed=False):
     "A conv weight as the implicit GEMM's (out-channels, in-channels·kernel) (per group)."
     w = w.detach()   # a view for statistics: never part of autograd
     return (w.movedim(1, 0) if transposed else w).flatten(1)
 
+# %% ../nbs/01_inject.ipynb #c41aa0d9-s2
 def _expert_weight(w, e, stored_out_in=True):
     "Expert `e`'s own weight as (out, in), like an `nn.Linear` weight: `w` is (E, out, in) if `stored_out_in`, else (E, in, out)."
     w = w.detach()
     return w[e] if stored_out_in else w[e].transpose(-2, -1)
 
+# %% ../nbs/01_inject.ipynb #c41aa0d9-s3
 def _group_ids(offs, x):
     "The group of each row of `x` from `offs` (cumulative row counts per group); rows past the last offset get `len(offs)`."
     return torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
 
+# %% ../nbs/01_inject.ipynb #c41aa0d9-s4
 def _id_groups(ids):
     "One expert id per gathered row."
     return ids.reshape(-1)
 
+# %% ../nbs/01_inject.ipynb #c41aa0d9-s5
 def _flat_rows(x):
     "One row per gathered (token, expert) pair: (S, 1, K) or (S, K, 1) as (S, K)."
     return x.reshape(x.shape[0], -1)
 
+# %% ../nbs/01_inject.ipynb #c41aa0d9-s6
 def _param_path(gm, node):
     "(path, transposed) if `node` is a parameter, or its last-two-dims transpose, else None."
     t = False
@@ -714,6 +772,7 @@ def _param_path(gm, node):
         node, t = node.args[0], True
     return (node.target, t) if node.op == 'get_attr' else None
 
+# %% ../nbs/01_inject.ipynb #c41aa0d9-s7
 def _view_buffer(new, w, fn, *args):
     "Register `fn(w, *args)` (a view of a parameter) on `new` as a non-persistent buffer; returns its path."
     name = f'_opscope_view{len([b for b in new._buffers if b.startswith("_opscope_view")])}'
@@ -734,6 +793,7 @@ def _tap_group(graph, taps, x, group, bins):
         with graph.inserting_after(n): out[st] = graph.call_function(operator.getitem, (n, e))
     return out
 
+# %% ../nbs/01_inject.ipynb #f6397633-s1
 def _group_node(graph, by_name, node, fn, arg):
     "One group-id node per grouped op, right after it (cached in `by_name`)."
     k = ('group', node.name)
@@ -741,11 +801,14 @@ def _group_node(graph, by_name, node, fn, arg):
         with graph.inserting_after(by_name[node.name]): by_name[k] = graph.call_function(fn, arg)
     return by_name[k]
 
+# %% ../nbs/01_inject.ipynb #f6397633-s2
 def _after(graph, x, fn, *args):
     with graph.inserting_after(x): return graph.call_function(fn, (x, *args))
 
+# %% ../nbs/01_inject.ipynb #f6397633-s3
 def _cl(shape): return None if shape is None else (shape[0], *shape[2:], shape[1])
 
+# %% ../nbs/01_inject.ipynb #f6397633-s4
 def _conv_roles(new, graph, gm, s, by_name):
     tr = s.extra['transposed']
     if isinstance(s.rhs, str): w, wkey = _view_buffer(new, gm.get_parameter(s.rhs), _conv_weight, tr), f'{s.rhs}:gemm'
@@ -757,6 +820,7 @@ def _conv_roles(new, graph, gm, s, by_name):
                 rhs=(wkey, w, None, ws), out=(f'{s.node.name}:cl', _after(graph, by_name[s.node.name], _channels_last), None,
                                              _cl(_meta_shape(s.node))))
 
+# %% ../nbs/01_inject.ipynb #f6397633-s5
 def _expert_roles(new, graph, gm, s, by_name):
     e, node, x = s.extra['expert'], by_name[s.node.name], by_name[s.lhs.name]
     keep = (_group_node(graph, by_name, node, _group_ids, (by_name[s.extra['offs'].name], x)), s.extra['experts'], e)
@@ -767,6 +831,7 @@ def _expert_roles(new, graph, gm, s, by_name):
     return dict(lhs=(f'{x.name}:rows{e}', x, keep, (None, ws and ws[1])), rhs=(wkey, w, None, ws and (ws[2], ws[1])),
                 out=(f'{node.name}:rows{e}', node, keep, (None, ws and ws[2])))
 
+# %% ../nbs/01_inject.ipynb #f6397633-s6
 def _gathered_roles(new, graph, gm, s, by_name):
     e, node, ws, out_in = s.extra['expert'], by_name[s.node.name], s.extra['weight_shape'], s.extra['stored_out_in']
     keep = (_group_node(graph, by_name, node, _id_groups, (by_name[s.extra['ids'].name],)), s.extra['experts'], e)
@@ -777,6 +842,7 @@ def _gathered_roles(new, graph, gm, s, by_name):
     return dict(lhs=(f'{s.lhs.name}:ids{e}', x, keep, (None, K)), rhs=(f'{s.rhs}[{e}]', w, None, (N, K)),
                 out=(f'{node.name}:ids{e}', y, keep, (None, N)))
 
+# %% ../nbs/01_inject.ipynb #f6397633-s7
 def _roles(new, graph, gm, s, by_name):
     "role -> (tap key, node or buffer path to sketch, (group ids node, groups, expert) or None, shape of the sketched tensor)."
     if s.kind == 'conv': return _conv_roles(new, graph, gm, s, by_name)
@@ -786,6 +852,7 @@ def _roles(new, graph, gm, s, by_name):
     get = lambda x: x if isinstance(x, str) else by_name[x.name]
     return {r: (x if isinstance(x, str) else x.name, get(x), None, shape(x)) for r, x in (('lhs', s.lhs), ('rhs', s.rhs), ('out', s.node))}
 
+# %% ../nbs/01_inject.ipynb #f6397633-s8
 def _site_dims(site, gm, shapes):
     "The site's (M, K, N): a matmul's from its operands, a conv's implicit GEMM's (per group), an expert's (M unknown: routed)."
     lhs, rhs, out = shapes
@@ -800,6 +867,7 @@ def _site_dims(site, gm, shapes):
     N = out[-1] if out else None
     return _prod(out[:-1]) if out else None, K, N
 
+# %% ../nbs/01_inject.ipynb #f6397633-s9
 def _prod(shape): return math.prod(shape) if shape is not None and None not in shape else None
 
 # %% ../nbs/01_inject.ipynb #a987eacb
@@ -853,6 +921,7 @@ def _unpack_of(n):
     u = n.args[0] if isinstance(n, fx.Node) and n.op == 'call_function' and n.target is operator.getitem else None
     return u if isinstance(u, fx.Node) and u.op == 'call_function' and u.target in (_unpack_node, _split_sketch) else None
 
+# %% ../nbs/01_inject.ipynb #c0mp1n0p-s1
 def _packed_outputs(gm:fx.GraphModule):
     "A twin of `gm` returning `(primary, other stats, packed sketches, their channel counts)` and the plan to unpack them; None for a pytree-spec graph."
     cg = gm.graph._codegen
@@ -883,6 +952,7 @@ def _packed_outputs(gm:fx.GraphModule):
     if hasattr(gm, 'manifest'): new.manifest = gm.manifest
     return new, plan, bins
 
+# %% ../nbs/01_inject.ipynb #c0mp1n0p-s2
 def _unpacked_outputs(out, plan, bins):
     "The packed twin's outputs as the injected module's `(primary, stats)`: the same keys in the same order, the packed sketches split into views."
     primary, rest, flats, chans = out
@@ -914,6 +984,7 @@ def _same(a, b, tol=None):
     if isinstance(a, dict): return a.keys() == b.keys() and all(_same(a[k], b[k], tol) for k in a)
     return a == b
 
+# %% ../nbs/01_inject.ipynb #692f085b-s1
 def gate(gm:fx.GraphModule, # the un-injected graph
          injected:fx.GraphModule, # `inject_matmul_stats(gm)` (or any pass returning (primary, stats))
          *inputs, **kwargs):
@@ -1042,6 +1113,7 @@ def _decompose_one(graph, node):
     node.replace_all_uses_with(o)
     graph.erase_node(node)
 
+# %% ../nbs/01_inject.ipynb #572532a3-s1
 def decompose_sdpa(gm:fx.GraphModule, # from `trace`; left untouched
                   )->fx.GraphModule:
     "A new `GraphModule` with every `scaled_dot_product_attention` call written as matmul + softmax + matmul."
@@ -1112,6 +1184,7 @@ def _infer_shape(site):
     k = _arg(site.node, 1, 'k', None)
     return tuple(k if i == site.dim % len(sh) else d for i, d in enumerate(sh)) if isinstance(k, int) else None
 
+# %% ../nbs/01_inject.ipynb #c48633c3-s1
 def _infer_row(site, shape):
     if shape is None: return dict(M=None, K=0, N=None, numel=None)
     if site.kind == 'softmax':
@@ -1120,6 +1193,7 @@ def _infer_row(site, shape):
     k = shape[site.dim]
     return dict(M=math.prod(shape) // k, K=0, N=k, numel=math.prod(shape))
 
+# %% ../nbs/01_inject.ipynb #c48633c3-s2
 def _insert_infer(graph, site, node, src):
     "Insert the site's sketch right after it, and one getitem per stat."
     fn, args, names = ((attn_sketch, (node, site.dim), ATTN_STATS) if site.kind == 'softmax'

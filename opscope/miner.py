@@ -39,6 +39,7 @@ def _scalar_features(df):
     wide = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
     return wide.groupby(level=KEYS, observed=True).mean()
 
+# %% ../nbs/03_miner.ipynb #9c1aec79-s1
 def _hist_features(df):
     h = df[df.stat == 'hist']
     if h.empty: return pd.DataFrame(columns=['kurtosis_all'])
@@ -49,6 +50,7 @@ def _hist_features(df):
     m = m.where(m.w2 > 0)                           # all mass in the centre (a zero or constant tensor): undefined
     return pd.DataFrame({'kurtosis_all': (m.w4 / m.w) / (m.w2 / m.w) ** 2})
 
+# %% ../nbs/03_miner.ipynb #9c1aec79-s2
 def _row_features(df):
     r = df.loc[(df.stat == 'row_energy') & df.value.notna(), KEYS + ['step', 'value']].copy()   # NaN: not a row (padding, another expert's token)
     r['e2'] = r.value ** 2
@@ -62,6 +64,7 @@ def _row_features(df):
     per_step['rows90'] = r.groupby(KEYS + ['step'], observed=True).needed.mean().where(mean > 0)  # no energy: undefined
     return per_step.groupby(level=KEYS, observed=True).mean()
 
+# %% ../nbs/03_miner.ipynb #9c1aec79-s3
 def _chan_features(df):
     c = df[df.stat == 'chan_absmax']
     med = c.groupby(KEYS + ['step'], observed=True).value.transform('median')
@@ -75,14 +78,17 @@ def crest_nz(absmax, rms, density):
     "Absmax over the RMS of the non-zero values (zeros quantize exactly, so they carry no error)."
     return absmax * np.sqrt(density) / np.where(rms > 0, rms, np.nan)   # a zero tensor has no crest
 
+# %% ../nbs/03_miner.ipynb #fd8f3489-s1
 def est_sqnr_db(crest, bits:int):
     "Estimated SQNR (dB) of symmetric per-tensor `bits`-bit quantization, uniform-noise model: 6.02·b + 4.77 − 20·log10(crest)."
     return 6.02 * bits + 4.77 - 20 * np.log10(crest)
 
+# %% ../nbs/03_miner.ipynb #fd8f3489-s2
 def crest_at_sqnr(db:float, bits:int)->float:
     "The crest factor at which `est_sqnr_db` falls to `db` (the inverse, used for guards)."
     return 10 ** ((6.02 * bits + 4.77 - db) / 20)
 
+# %% ../nbs/03_miner.ipynb #fd8f3489-s3
 def tap_features(df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
                 )->pd.DataFrame:
     "One row per tap (run_id, dist, site, role) with the features the rules read, pooled over steps."
@@ -92,6 +98,7 @@ def tap_features(df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
 FEATURES = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel',
             'kurtosis_all', 'cv2', 'rows', 'rows90', 'outlier_ratio', 'channels')
 
+# %% ../nbs/03_miner.ipynb #fd8f3489-s4
 def derived_features(f, steps):
     "The features computed from the pooled reductions `f` (shared with the DuckDB engine, `scale.mine_duckdb`)."
     f = f.reindex(columns=list(dict.fromkeys(list(FEATURES) + list(f.columns)))).astype(float)  # a stat no row holds: NaN, no rule fires
@@ -126,6 +133,7 @@ def rule_sparse(f):
     s = f[f.density <= SPARSE_DENSITY_MAX]
     return _finding(s, 'density', s.density, 'sparse-gemm', [f'sparse-GEMM (skip {1 - v:.0%} zeros)' for v in s.density])
 
+# %% ../nbs/03_miner.ipynb #4522f82c-s1
 def rule_quant(f):
     "`int8` / `int4`: estimated symmetric per-tensor SQNR clears the bar at that width."
     out = []
@@ -136,24 +144,28 @@ def rule_quant(f):
                             name, [f'{name} per-tensor (est. SQNR {v:.0f} dB)' for v in sqnr[s.index]]))
     return pd.concat(out)
 
+# %% ../nbs/03_miner.ipynb #4522f82c-s2
 def rule_spiky(f):
     "`spiky`: heavy-tailed non-zero values (kurtosis >= SPIKY_KURTOSIS)."
     s = f[f['kurtosis'] >= SPIKY_KURTOSIS]
     return _finding(s, 'kurtosis', s['kurtosis'], 'spiky',
                     [f'spiky: heavy tails (kurtosis {v:.0f}, Gaussian 3) → clip/outlier-aware scales' for v in s['kurtosis']])
 
+# %% ../nbs/03_miner.ipynb #4522f82c-s3
 def rule_tokens(f):
     "`token-sparsity`: a few rows hold most of the energy."
     s = f[f.rows90 <= TOKEN_ROWS90_MAX]
     return _finding(s, 'row_energy', s.rows90, 'token-sparsity',
                     [f'{v:.0%} of rows hold 90% of energy → skip low-energy rows' for v in s.rows90])
 
+# %% ../nbs/03_miner.ipynb #4522f82c-s4
 def rule_coherence(f):
     "`temporal-coherence` within a call: adjacent rows point the same way."
     s = f[f.adj_cos >= COHERENCE_MIN]
     return _finding(s, 'adj_cos', s.adj_cos, 'temporal-coherence',
                     [f'adjacent rows coherent (mean cos {v:.2f}) → delta / reuse across rows' for v in s.adj_cos])
 
+# %% ../nbs/03_miner.ipynb #4522f82c-s5
 def rule_deep_dump(f):
     "`deep-dump`: row energies vary far more than independent entries would; rank is not sketch-observable, so point to the probe."
     s = f[f.rho >= DEEP_DUMP_RHO]
@@ -175,10 +187,12 @@ def rule_dead_channels(df):
                        detail=[f'{k}/{C} channels zero in every step → drop them (exact K-slice)' for k, C in zip(n, dead.C)]
                       )[FINDINGS]
 
+# %% ../nbs/03_miner.ipynb #bc219932-s1
 def rule_outlier_channels(df):
     "`channel-outliers`: channels OUTLIER_RATIO× the median channel's absmax in at least OUTLIER_PERSIST of steps."
     return outlier_rows(_outlier_share(df))
 
+# %% ../nbs/03_miner.ipynb #bc219932-s2
 def _outlier_share(df):
     "Per (tap, channel): the share of steps its absmax is > OUTLIER_RATIO× the step's median channel's, and its mean ratio."
     c = df[df.stat == 'chan_absmax']
@@ -187,6 +201,7 @@ def _outlier_share(df):
     r['hit'] = r.ratio > OUTLIER_RATIO
     return r.groupby(KEYS + ['idx'], observed=True).agg(share=('hit', 'mean'), value=('ratio', 'mean')).reset_index()
 
+# %% ../nbs/03_miner.ipynb #bc219932-s3
 def outlier_rows(per):
     "`channel-outliers` findings from `_outlier_share`'s table (shared with the DuckDB engine)."
     out = per[per.share >= OUTLIER_PERSIST].copy()
@@ -212,6 +227,7 @@ def usual_steps(df):
     ok = n.merge(mode[KEYS + ['value']].rename(columns={'value': 'usual'}), on=KEYS)
     return ok.loc[ok.value == ok.usual, KEYS + ['step']]
 
+# %% ../nbs/03_miner.ipynb #ce9ef961-s1
 def step_matrix(df, stat, usual):
     "(tap, idx) × step values of `stat` over each tap's `usual` steps (from `usual_steps`), rows sorted by tap."
     c = df[df.stat == stat].merge(usual, on=KEYS + ['step'])
@@ -219,6 +235,7 @@ def step_matrix(df, stat, usual):
     w = c.pivot_table(index=KEYS + ['idx'], columns='t', values='value', aggfunc='first', observed=True).sort_index()
     return w
 
+# %% ../nbs/03_miner.ipynb #ce9ef961-s2
 def _vn(V, starts):
     "Von Neumann numerator per tap (rows of V grouped by `starts`), NaN-aware."
     d = np.nansum(np.diff(V, axis=1) ** 2, axis=1)
@@ -231,11 +248,13 @@ def relative_range(rng_:pd.DataFrame, # `min` and `max` columns of a statistic a
     scale = rng_[['min', 'max']].abs().max(axis=1)
     return (rng_['max'] - rng_['min']) / scale.where(scale > 0, 1.)
 
+# %% ../nbs/03_miner.ipynb #57b6e8f5-s1
 def stationary(rng_:pd.DataFrame, # `min` and `max` columns of a statistic across steps
               )->pd.Series:
     "Whether each statistic is *stationary*: its `relative_range` across steps is at most `STATIONARY_RTOL` (the one definition; NaN is not)."
     return relative_range(rng_) <= STATIONARY_RTOL
 
+# %% ../nbs/03_miner.ipynb #57b6e8f5-s2
 def cross_step(df:pd.DataFrame, # tidy sketches
                seed:int=0, # seeds the step shuffles
               )->pd.DataFrame:
@@ -248,6 +267,7 @@ def cross_step(df:pd.DataFrame, # tidy sketches
     return cross_table(stationary(rng_).groupby(level=KEYS, observed=True).all(),
                         usual.groupby(KEYS, observed=True).size(), step_matrix(df, 'chan_absmax', usual), seed)
 
+# %% ../nbs/03_miner.ipynb #57b6e8f5-s3
 def cross_table(stationary, steps, w, seed=0):
     "`cross_step`'s table from per-tap `stationary` flags, usual-step counts and the (tap, idx) × step chan_absmax matrix `w` (shared with the DuckDB engine)."
     out = pd.DataFrame({'stationary': stationary})
@@ -315,6 +335,7 @@ def rule_attention_sink(df):
                  [f'key {i} takes {a:.0%} of all attention mass ({r:.0f}× its even share) → keep it resident (sink)'
                   for i, a, r in zip(s.index.get_level_values('idx'), s.share, s.ratio)])
 
+# %% ../nbs/03_miner.ipynb #48cf02f8-s1
 def _keys90(df):
     "Per tap: mean over heads of the share of live keys holding 90% of the head's mass (per row that sees them)."
     hm = df[(df.role == 'attn') & (df.stat == 'head_mass')]
@@ -333,6 +354,7 @@ def _keys90(df):
     per['needed'] = (g.cumsum() - per.m) < 0.9 * g.transform('sum')
     return per.groupby(KEYS + ['h'], observed=True).needed.mean().groupby(level=KEYS, observed=True).mean()
 
+# %% ../nbs/03_miner.ipynb #48cf02f8-s2
 def rule_kv_eviction(df):
     "`kv-eviction`: a small share of the live keys (<= KV_KEYS90_MAX) holds 90% of each head's attention mass."
     k = _keys90(df)
@@ -358,6 +380,7 @@ def _window(df, keep_max=None, lift=None):
     ok = t[(t.union >= WINDOW_MASS) & (t.even <= keep_max) & (t.lift >= lift)]
     return ok.sort_values('idx').groupby(KEYS, observed=True).first().rename(columns={'idx': 'w'})
 
+# %% ../nbs/03_miner.ipynb #ba452fbd-s1
 def rule_windowed(df):
     "`windowed-attention`: sink keys plus a band ±w around the diagonal hold WINDOW_MASS of the mass (idx = w)."
     w = _window(df)
@@ -422,6 +445,7 @@ def step_table(df:pd.DataFrame, # tidy sketches
     w = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
     return step_frame(w)
 
+# %% ../nbs/03_miner.ipynb #76911d41-s1
 def step_frame(w):
     "`step_table` from its pivot `w`: the `STEP_STATS` columns as float, missing counts 0, keys as str (shared with the DuckDB engine)."
     w = w.reindex(columns=list(STEP_STATS)).astype(float)
@@ -429,8 +453,10 @@ def step_frame(w):
     w.index = pd.MultiIndex.from_frame(as_strings(w.index.to_frame(index=False), KEYS))
     return w
 
+# %% ../nbs/03_miner.ipynb #76911d41-s2
 def _bad(st): return st[(st.nan_count + st.inf_count) > NONFINITE_MAX]
 
+# %% ../nbs/03_miner.ipynb #76911d41-s3
 def drop_nonfinite_steps(df:pd.DataFrame, # tidy sketches
                          st:pd.DataFrame, # `step_table(df)`
                         )->pd.DataFrame:
@@ -447,6 +473,7 @@ def _steps_text(steps):
     cuts = np.flatnonzero(np.diff(s) != 1) + 1
     return ', '.join(f'{g[0]}' if len(g) == 1 else f'{g[0]}–{g[-1]}' for g in np.split(s, cuts))
 
+# %% ../nbs/03_miner.ipynb #228470d9-s1
 def rule_nonfinite(st):
     "`nonfinite`: NaN/Inf on some step of a tap — the share of values, the steps (first first) and what the other rules did."
     bad = _bad(st)
@@ -464,6 +491,7 @@ def rule_nonfinite(st):
                                 f'{int(steps.min())} → {what}'))
     return pd.DataFrame(rows, columns=FINDINGS)
 
+# %% ../nbs/03_miner.ipynb #228470d9-s2
 def rule_constant(st):
     "`constant`: the same value everywhere (min == max) on every clean step — all-zero or constant, one finding instead of ratios of zeros."
     ok = st.drop(_bad(st).index)
@@ -479,6 +507,7 @@ def rule_constant(st):
               for a, b, k in zip(lo, hi, n)]
     return _finding(pd.DataFrame(index=taps), 'absmax', hi.abs().to_numpy(), 'constant', detail)
 
+# %% ../nbs/03_miner.ipynb #228470d9-s3
 def _veto(out):
     "Drop the claims the bad-data findings refuse: all others on a `constant` tap, cross-step ones on a `nonfinite` tap."
     tap = out[KEYS].agg('/'.join, axis=1)
@@ -544,6 +573,7 @@ def mine(sketches:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or 
     out = _mine_pandas(sketches)
     return out if probe is None else confirm_low_rank(out, probe, sketches[KEYS].drop_duplicates())
 
+# %% ../nbs/03_miner.ipynb #209e4dd2-s1
 def _mine_pandas(df):
     if df.empty: return pd.DataFrame(columns=FINDINGS)
     _check_ranks(df)
@@ -559,6 +589,7 @@ def _mine_pandas(df):
 
 MASK_VETO = ('sparse-gemm', 'dead-channels', 'channel-outliers')   # what masked probabilities would fake
 
+# %% ../nbs/03_miner.ipynb #209e4dd2-s2
 def _prob_operands(df):
     "(run_id, site) of matmul taps whose lhs is an attention tap's probabilities: same module path and numel at a step."
     n = df[(df.stat == 'numel') & df.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'value']]
@@ -566,6 +597,7 @@ def _prob_operands(df):
     j = n[n.role == 'lhs'].merge(n[n.role == 'attn'][['run_id', 'path', 'step', 'value']], on=['run_id', 'path', 'step', 'value'])
     return set(zip(j.run_id, j.site))
 
+# %% ../nbs/03_miner.ipynb #209e4dd2-s3
 def drop_masked(out, df):
     "Drop sparsity / dead-channel / outlier findings on attention probabilities: their zeros are the mask's (padding, causal)."
     probs = _prob_operands(df)
@@ -575,6 +607,7 @@ def drop_masked(out, df):
     kept.attrs = out.attrs
     return kept
 
+# %% ../nbs/03_miner.ipynb #209e4dd2-s4
 def _check_ranks(df):
     "Refuse rows where one (run_id, step) comes from two ranks: shards must record global step indices."
     if 'rank' not in df or df['rank'].nunique() < 2: return
@@ -584,6 +617,7 @@ def _check_ranks(df):
         raise InputError(f"run {run!r} step {step} was recorded by more than one rank; shards must record global "
                          "step indices (scale.record_shard does) so that the ranks' steps do not collide")
 
+# %% ../nbs/03_miner.ipynb #209e4dd2-s5
 def collect_findings(parts, cs, st=None):
     "The findings table from the rules' outputs (every engine): bad-data findings added (`st`: `step_table`), vetoed and explained claims dropped, sorted."
     if st is not None: parts = list(parts) + [r(st) for r in rules('steps')]
@@ -595,6 +629,7 @@ def collect_findings(parts, cs, st=None):
     out.attrs['cross_step'] = cs      # per-tap drift, kept for reports (not a finding)
     return out
 
+# %% ../nbs/03_miner.ipynb #209e4dd2-s6
 def _sorted(out):
     "Findings in their reading order: by tap, then exploit in `REGISTRY` order, then idx."
     order = {e: i for i, e in enumerate(REGISTRY)}
@@ -608,6 +643,7 @@ RANK_COLUMNS = ['site', 'role', 'rows', 'cols', 'erank', 'rank99', 'saving']   #
 
 def _tapkey(d): return d[KEYS].agg('/'.join, axis=1) if len(d) else pd.Series(dtype=str)
 
+# %% ../nbs/03_miner.ipynb #47981269-s1
 def confirm_low_rank(findings:pd.DataFrame, # from `mine`
                      ranks:pd.DataFrame, # `RANK_COLUMNS` per dumped tap (+ `run_id` to tell runs apart), e.g. `probe.rank_table`
                      taps:pd.DataFrame=None, # the KEYS of every tap (default: the taps with findings)

@@ -42,6 +42,7 @@ def _host(x, name='values'):
         raise TypeError(f"{name}: expected an array or tensor of numbers, got dtype {a.dtype}")
     return a
 
+# %% ../nbs/08_online.ipynb #b303bdce-s1
 def _bits64(a):
     "uint64 hash keys: integers by their int64 value, floats by their float64 bits (-0.0 as 0.0, one NaN)."
     if a.dtype.kind in 'biu': return a.astype(np.int64).view(np.uint64)
@@ -49,6 +50,7 @@ def _bits64(a):
     f[np.isnan(f)] = np.nan
     return f.view(np.uint64)
 
+# %% ../nbs/08_online.ipynb #b303bdce-s2
 def _uniform(seed, counter):
     "Counter-based uniforms in (0, 1): draw `counter` of stream `seed` is a hash of both."
     h = splitmix64(splitmix64(np.uint64(seed)) ^ np.asarray(counter).astype(np.uint64))
@@ -82,6 +84,7 @@ def _next_block(r:Reservoir):
     r._logw, r._last, r._blocks = r._logw + lw.sum(), int(pos[-1]), r._blocks + 1
     return pos, np.minimum(np.floor(u_slot * r.k), r.k - 1).astype(np.int64)
 
+# %% ../nbs/08_online.ipynb #aaf303b8-s1
 def _take_accepts(r:Reservoir, end:int):
     "All pending or new accepts at stream positions < `end`, in order; the rest stay pending."
     pos, slot = [r._pos], [r._slot]
@@ -92,6 +95,7 @@ def _take_accepts(r:Reservoir, end:int):
     r._pos, r._slot = pos[cut:], slot[cut:]
     return pos[:cut], slot[:cut]
 
+# %% ../nbs/08_online.ipynb #aaf303b8-s2
 @patch
 @torch.no_grad()
 def update(self:Reservoir, x):
@@ -129,16 +133,19 @@ def _k1_edges(compression):
     j = np.arange(1, math.ceil(compression / 2))
     return np.sin(np.pi * j / compression) ** 2
 
+# %% ../nbs/08_online.ipynb #15815b36-s1
 def _k1_bounds(compression, n):
     "Inner bin edges of the k1 scale in rank units: n·sin²(πj/δ), j = 1 … ⌈δ/2⌉−1."
     return _k1_edges(compression) * n
 
+# %% ../nbs/08_online.ipynb #15815b36-s2
 def _bin_starts(left, compression, n):
     "Start index of each k1 bin in a sorted run with cumulative-weight-before `left`."
     s = np.searchsorted(left, _k1_bounds(compression, n), side='left')
     s = s[(s < len(left)) & (s > 0)]
     return np.concatenate([[0], s[np.diff(s, prepend=0) != 0]])   # sorted already: drop repeats
 
+# %% ../nbs/08_online.ipynb #15815b36-s3
 def _compress(means, weights, compression):
     "Re-bin centroids sorted by mean into at most ⌈δ/2⌉ centroids."
     left = np.cumsum(weights) - weights
@@ -172,6 +179,7 @@ def _digest_sorted(self:TDigest, s):
     self.means, self.weights = _compress(m[o], w[o], self.compression)
     self.min, self.max = min(self.min, float(s[0])), max(self.max, float(s[-1]))
 
+# %% ../nbs/08_online.ipynb #309b2dd9-s1
 @patch
 @torch.no_grad()
 def update(self:TDigest, x):
@@ -189,6 +197,7 @@ def _knots(d:TDigest):
     w = d.weights
     return np.concatenate([[0.], np.cumsum(w) - w / 2, [w.sum()]]), np.concatenate([[d.min], d.means, [d.max]])
 
+# %% ../nbs/08_online.ipynb #44078044-s1
 @patch
 def quantile(self:TDigest, q)->np.ndarray:
     "Values at quantiles `q` (scalar or array in [0, 1])."
@@ -197,6 +206,7 @@ def quantile(self:TDigest, q)->np.ndarray:
     if ((q < 0) | (q > 1)).any(): raise InputError(f"quantiles must lie in [0, 1], got {q[(q < 0) | (q > 1)][:3]}")
     return np.interp(q * r[-1], r, v)
 
+# %% ../nbs/08_online.ipynb #44078044-s2
 @patch
 def cdf(self:TDigest, x)->np.ndarray:
     "Fraction of the stream at or below `x` (scalar or array)."
@@ -328,6 +338,7 @@ def estimate(self:HyperLogLog, method:str='auto')->float:
     z += m * _sigma(c[0] / m)
     return float(m * m / (2 * math.log(2)) / z)
 
+# %% ../nbs/08_online.ipynb #c62e5c24-s1
 @patch
 def merge(self:HyperLogLog, other:HyperLogLog)->HyperLogLog:
     "The sketch of the union of both streams (register-wise max; new, neither input changes)."
@@ -346,6 +357,7 @@ def to_arrays(self:Reservoir)->dict:
     return dict(items=self.items.copy(), pos=self._pos.copy(), slot=self._slot.copy(), meta=meta,
                 logw=np.array([self._logw]))
 
+# %% ../nbs/08_online.ipynb #ae40496d-s1
 @patch(cls_method=True)
 def from_arrays(cls:Reservoir, d:dict)->Reservoir:
     "A `Reservoir` from `to_arrays()` output."
@@ -356,6 +368,7 @@ def from_arrays(cls:Reservoir, d:dict)->Reservoir:
     r.n, r._blocks, r._last, r._logw = n, blocks, last, float(d['logw'][0])
     return r
 
+# %% ../nbs/08_online.ipynb #ae40496d-s2
 def _check_fields(kind, d, fields, meta_len):
     missing = [f for f in fields if f not in d]
     if missing: raise InputError(f"{kind}.from_arrays: missing field(s) {missing}; expected {list(fields)}")
@@ -369,6 +382,7 @@ def to_arrays(self:TDigest)->dict:
     return dict(means=self.means.copy(), weights=self.weights.copy(),
                 meta=np.array([self.compression, self.chunk, self.min, self.max, self.nonfinite], np.float64))
 
+# %% ../nbs/08_online.ipynb #c0a3bad1-s1
 @patch(cls_method=True)
 def from_arrays(cls:TDigest, d:dict)->TDigest:
     "A `TDigest` from `to_arrays()` output."
@@ -380,12 +394,14 @@ def from_arrays(cls:TDigest, d:dict)->TDigest:
     t.min, t.max, t.nonfinite = mn, mx, int(nf)
     return t
 
+# %% ../nbs/08_online.ipynb #c0a3bad1-s2
 @patch
 def to_arrays(self:HyperLogLog)->dict:
     "The sketch as plain numpy arrays (`registers`, `meta` = p, seed, `hip` = accumulator, valid)."
     return dict(registers=self.registers.copy(), meta=np.array([self.p, self.seed], np.int64),
                 hip=np.array([self.hip, float(self.hip_valid)]))
 
+# %% ../nbs/08_online.ipynb #c0a3bad1-s3
 @patch(cls_method=True)
 def from_arrays(cls:HyperLogLog, d:dict)->HyperLogLog:
     "A `HyperLogLog` from `to_arrays()` output."
@@ -458,6 +474,7 @@ def _layout(rec:OnlineRecorder, stats:dict):
     bounds = np.cumsum([len(scalars)] + [stats[k].numel() for k in vectors])
     return dict(shapes=shapes, scalars=scalars, vectors=vectors, template=template, exact=exact, bounds=bounds)
 
+# %% ../nbs/08_online.ipynb #352eb032-s1
 def _pack(rec:OnlineRecorder, stats:dict)->torch.Tensor:
     "The step's kept stats as one flat float32 tensor on their device (no host transfer)."
     L = rec._layout
@@ -466,6 +483,7 @@ def _pack(rec:OnlineRecorder, stats:dict)->torch.Tensor:
         L = rec._layout = _layout(rec, stats)
     return torch.cat([torch.stack([stats[k] for k in L['scalars']]).float()] + [stats[k].reshape(-1).float() for k in L['vectors']])
 
+# %% ../nbs/08_online.ipynb #352eb032-s2
 def _fold_host(rec:OnlineRecorder, L:dict, step:int, flat:np.ndarray):
     "Fold one sample (host values): scalars kept for rows, vectors buffered for the sketches."
     vals = flat[:len(L['scalars'])].astype(np.float64)
@@ -478,6 +496,7 @@ def _fold_host(rec:OnlineRecorder, L:dict, step:int, flat:np.ndarray):
         rec._buf.setdefault(key, []).append(flat[L['bounds'][i]:L['bounds'][i + 1]])
         if sum(map(len, rec._buf[key])) >= rec.buffer: _flush(rec, key)
 
+# %% ../nbs/08_online.ipynb #352eb032-s3
 def _flush(rec:OnlineRecorder, key:str):
     "Fold a key's buffered values into its three sketches."
     v = np.concatenate(rec._buf.pop(key))
@@ -493,6 +512,7 @@ def _host_buffer(rec:OnlineRecorder, like:torch.Tensor):
     rec._nbuf += 1
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type == 'cuda')
 
+# %% ../nbs/08_online.ipynb #b7c1e0a2-s1
 def _work(rec:OnlineRecorder):
     "The worker: fold queued samples in order until the sentinel; an error is kept for `flush` to raise."
     while True:
@@ -507,11 +527,13 @@ def _work(rec:OnlineRecorder):
         except Exception as e: rec._error = e
         finally: rec._q.task_done()
 
+# %% ../nbs/08_online.ipynb #b7c1e0a2-s2
 def _start(rec:OnlineRecorder):
     rec._q, rec._nbuf = queue.Queue(maxsize=rec.queue), 0
     rec._worker = threading.Thread(target=_work, args=(rec,), daemon=True, name='opscope-online')
     rec._worker.start()
 
+# %% ../nbs/08_online.ipynb #b7c1e0a2-s3
 def _handoff(rec:OnlineRecorder, flat:torch.Tensor, step:int):
     "Queue one sample for the worker without waiting; drop and count it when no buffer is free."
     if rec._worker is None: _start(rec)
@@ -547,12 +569,14 @@ def __call__(self:OnlineRecorder, *inputs):
     self.step += 1
     return out
 
+# %% ../nbs/08_online.ipynb #e01eb668-s1
 @patch
 def flush(self:OnlineRecorder):
     "Wait until the worker has folded every queued sample; re-raise an error it met."
     if self._q is not None: self._q.join()
     if self._error is not None: raise RuntimeError(f"the online recorder's worker failed: {self._error}") from self._error
 
+# %% ../nbs/08_online.ipynb #e01eb668-s2
 @patch
 def close(self:OnlineRecorder):
     "Drain the queue and stop the worker (a later sampled step starts a new one)."
@@ -561,6 +585,7 @@ def close(self:OnlineRecorder):
         self._worker = None
     self.flush()
 
+# %% ../nbs/08_online.ipynb #e01eb668-s3
 @patch
 def held_bytes(self:OnlineRecorder)->dict:
     "Memory the recorder holds: host buffers, sketches, values buffered for them, and the tidy rows kept."
@@ -580,6 +605,7 @@ def rows(self:OnlineRecorder, clear:bool=False)->pd.DataFrame:
     if clear: self._rows = []
     return df
 
+# %% ../nbs/08_online.ipynb #9bf5e637-s1
 @patch
 def summary(self:OnlineRecorder, q=(0.001, 0.01, 0.5, 0.99, 0.999))->pd.DataFrame:
     "Per sketched key: values seen, t-digest quantiles `q` and the HyperLogLog distinct count."
@@ -590,6 +616,7 @@ def summary(self:OnlineRecorder, q=(0.001, 0.01, 0.5, 0.99, 0.999))->pd.DataFram
                          **{f'q{x:g}': v for x, v in zip(q, sk['tdigest'].quantile(q))}))
     return pd.DataFrame(rows)
 
+# %% ../nbs/08_online.ipynb #9bf5e637-s2
 @patch
 def to_arrays(self:OnlineRecorder)->dict:
     "All sketches as plain arrays keyed `site/role/stat|sketch|field` (for safetensors)."

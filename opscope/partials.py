@@ -21,19 +21,23 @@ SCALARS = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'na
 
 def _base(d): return d[~d.role.isin(list(INFER_ROLES))]
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s1
 def finite_steps(d:pd.DataFrame)->pd.DataFrame:
     "`d` without its (tap, step)s that hold NaN/Inf (`miner.drop_nonfinite_steps`), for a partition of whole steps."
     return _m.drop_nonfinite_steps(d, _m.step_table(d))
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s2
 def scalar_steps(d:pd.DataFrame)->pd.DataFrame:
     "Each matmul-style (tap, step)'s scalar stats, one row per stat (its first value)."
     s = _base(d)
     return s[s.stat.isin(list(SCALARS))].groupby(G + ['stat'], observed=True).value.first().reset_index()
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s3
 def tap_steps(d:pd.DataFrame)->pd.DataFrame:
     "The (tap, step) pairs of matmul-style taps present in `d`."
     return _base(d)[G].drop_duplicates()
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s4
 def hist_steps(d:pd.DataFrame)->pd.DataFrame:
     "Per (tap, step): the histogram's weight sums Σw, Σw·c², Σw·c⁴ (bin centres c on [-1, 1]) that `miner.tap_features`' kurtosis pools."
     h = _base(d); h = h[h.stat == 'hist']
@@ -42,6 +46,7 @@ def hist_steps(d:pd.DataFrame)->pd.DataFrame:
     w = h.value.clip(lower=0)
     return pd.DataFrame({'w': w, 'w2': w * c**2, 'w4': w * c**4}).groupby([h[k] for k in G], observed=True).sum().reset_index()
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s5
 def row_steps(d:pd.DataFrame)->pd.DataFrame:
     "Per (tap, step): row-energy dispersion `cv2`, `rows` and `rows90` (share of rows holding 90% of the energy)."
     r = _base(d); r = r[(r.stat == 'row_energy') & r.value.notna()]   # NaN: not a row (padding, another expert's token)
@@ -54,6 +59,7 @@ def row_steps(d:pd.DataFrame)->pd.DataFrame:
     out['rows90'] = r.groupby(G, observed=True).needed.mean()
     return out.reset_index()
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s6
 def chan_ratios(d:pd.DataFrame)->pd.DataFrame:
     "Every `chan_absmax` row's ratio to its (tap, step)'s median channel, and whether it is above `miner.OUTLIER_RATIO`."
     c = d[d.stat == 'chan_absmax']
@@ -61,11 +67,13 @@ def chan_ratios(d:pd.DataFrame)->pd.DataFrame:
     ratio = c.value / med.where(med > 0)
     return c[G + ['idx']].assign(ratio=ratio, hit=(ratio > _m.OUTLIER_RATIO).astype(float))
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s7
 def chan_steps(r:pd.DataFrame)->pd.DataFrame:
     "Per matmul-style (tap, step), from `chan_ratios`: the largest ratio and the channel count."
     g = _base(r).groupby(G, observed=True).ratio
     return pd.DataFrame({'ratio': g.max(), 'n': g.size()}).reset_index()
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s8
 def head_keys(d:pd.DataFrame)->pd.DataFrame:
     "`head_mass` rows as (head h, key), split by each step's key count (the number of its `key_mass` rows)."
     a = d[d.role == 'attn']
@@ -73,10 +81,12 @@ def head_keys(d:pd.DataFrame)->pd.DataFrame:
     hm = a[a.stat == 'head_mass'].merge(tk, on=G)
     return hm[_m.KEYS].assign(h=(hm.idx // hm.Tk).astype('int64'), key=(hm.idx % hm.Tk).astype('int64'), value=hm.value)
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s9
 def usual_rows(d:pd.DataFrame, usual:pd.DataFrame, stats)->pd.DataFrame:
     "The rows of `stats` in each tap's usual steps (`usual`: KEYS + step, from `miner.usual_steps`)."
     return d[d.stat.isin(list(stats))].merge(usual, on=G)
 
+# %% ../nbs/03b_partials.ipynb #d0589b83-s10
 def read_parts(files, # part files of one hive-partitioned dataset, holding whole steps
                base, # the dataset's directory
                types:dict, # partition key -> Arrow type, e.g. {'run_id': 'string', 'rank': 'int64'}
@@ -100,6 +110,7 @@ def infer_table(sums:pd.DataFrame, # KEYS + stat, idx, value: attn/gate stats (n
         sums = pd.concat([sums, head[sums.columns]], ignore_index=True)
     return sums
 
+# %% ../nbs/03b_partials.ipynb #45e15339-s1
 def findings_from_tables(features, # `miner.tap_features`' table (None: no matmul-style taps)
                          dead, # KEYS + idx, value: max chan_density per channel over steps
                          share, # KEYS + idx, share, value: `miner._outlier_share`'s table
@@ -118,4 +129,3 @@ def findings_from_tables(features, # `miner.tap_features`' table (None: no matmu
         parts = [r(features) for r in rules('features')] + parts + [r(cs) for r in rules('cross')]
     out = _m.collect_findings(parts, cs, steps)
     return out if probs is None else _m.drop_masked(out, probs)
-

@@ -67,6 +67,7 @@ def guard_holds(clauses:list, # from `parse_guard`
 # %% ../nbs/07_plan.ipynb #c9b85b33
 def _crest(absmax, rms, density): return crest_nz(absmax, rms, density) if rms > 0 else math.inf
 
+# %% ../nbs/07_plan.ipynb #c9b85b33-s1
 def sketch_values(sketches:pd.DataFrame, # tidy sketches of one run
                   site:str, # the site
                   clauses:list, # from `parse_guard`
@@ -87,7 +88,6 @@ def sketch_values(sketches:pd.DataFrame, # tidy sketches of one run
     if not out or all(len(v) == 0 for v in out.values()):
         raise MissingError(f"site {site!r}: the sketches hold no {', '.join(sorted({c.stat for c in clauses}))} for it")
     return pd.DataFrame(out)
-
 
 # %% ../nbs/07_plan.ipynb #14d3ad20
 def live_values(x:torch.Tensor, # the live operand
@@ -161,6 +161,7 @@ def _calls_per_block(timer, block_s):
     timer.timeit(1)
     return max(1, round(block_s / max(min(timer.timeit(1).mean, timer.timeit(1).mean), 1e-7)))
 
+# %% ../nbs/07_plan.ipynb #d637ef17-s1
 def ab_bench(dense, special, x:torch.Tensor, # two functions of `x`, and the input
              block_s:float=BENCH_BLOCK_S, rounds:int=BENCH_ROUNDS)->tuple:
     "(dense_ms, special_ms): medians over `rounds` interleaved blocks timed with `torch.utils.benchmark.Timer`."
@@ -177,10 +178,12 @@ def ab_bench(dense, special, x:torch.Tensor, # two functions of `x`, and the inp
 # %% ../nbs/07_plan.ipynb #a7cf8f89
 def _tap(sketches, site, role): return sketches[(sketches.site == site) & (sketches.role == role)]
 
+# %% ../nbs/07_plan.ipynb #a7cf8f89-s1
 def _mean_vec(t, stat, n):
     v = t[t.stat == stat].groupby('idx').value.mean()
     return torch.tensor(v.reindex(range(n)).fillna(0).to_numpy(), dtype=torch.float32)
 
+# %% ../nbs/07_plan.ipynb #a7cf8f89-s2
 def draw_like(sketches:pd.DataFrame, site:str, M:int, K:int, N:int, seed:int=0)->tuple:
     "(x, w, b): an M × K lhs and an N × K weight drawn to match the site's recorded sketches."
     g = torch.Generator().manual_seed(seed)
@@ -220,6 +223,7 @@ def format_channels(idx)->str:
         if nxt != a + 1: out.append(f'{start}' if start == a else f'{start}-{a}'); start = nxt
     return ','.join(out)
 
+# %% ../nbs/07_plan.ipynb #8d4cbf0d-s1
 def parse_channels(text)->list:
     "[0, 1, 2, 3, 7] for '0-3,7' (the `channels` column of a plan)."
     if text is None or (isinstance(text, float) and math.isnan(text)) or str(text).strip() == '': return []
@@ -370,6 +374,7 @@ class GuardedLinear(nn.Module):
         self.counts['special' if ok else 'dense'] += 1; self.log.append(ok)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+# %% ../nbs/07_plan.ipynb #df903fb1-s1
 def _linear_params(gm, s):
     "(weight, bias) of a linear site whose weight is a parameter; a clear error otherwise."
     if s.node.op == 'call_module' and isinstance(gm.get_submodule(s.node.target), nn.Linear):

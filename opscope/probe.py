@@ -42,10 +42,12 @@ def _why_not(head):
     if head[:1] == b'\x80': return "a Python pickle"
     return "not a safetensors file (bad header)"
 
+# %% ../nbs/05_probe.ipynb #e6ff95c9-s1
 def _is_entry(v):
     return (isinstance(v, dict) and isinstance(v.get('dtype'), str) and isinstance(v.get('shape'), list)
             and isinstance(v.get('data_offsets'), list) and len(v['data_offsets']) == 2)
 
+# %% ../nbs/05_probe.ipynb #e6ff95c9-s2
 def _safetensors_header(path:Path)->dict:
     "The parsed JSON header of the safetensors file `path`; a clear `ValueError` for anything else (never unpickled)."
     if not path.exists(): raise FileNotFoundError(f"no such tensor file: {path}")

@@ -37,6 +37,7 @@ def _key_layout(keys):
 ROW_STATS = ('row_energy', 'q_peak', 'tok_mass')     # one value per row of the tapped tensor
 CHAN_STATS = ('chan_absmax', 'key_mass', 'slot_mean')  # one value per channel (last dim)
 
+# %% ../nbs/02_recorder.ipynb #c55baf8c-s1
 def _tap_dims(keys, lengths, codes, n_roles):
     "Exact numel per (site, role) and M, K, N per site, from the lengths of the per-row and per-channel stats."
     n_sites = codes[:, 0].max() + 1
@@ -144,16 +145,19 @@ class Recorder:
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
 
+# %% ../nbs/02_recorder.ipynb #346d5634-s1
 def _step_name(df):
     "`step S of run R` for a step's rows (how warnings name a torn step)."
     return f"step {int(df.step.iloc[0])} of run {df.run_id.iloc[0]}" if len(df) else 'an empty step'
 
+# %% ../nbs/02_recorder.ipynb #346d5634-s2
 def _write_step(df, path):
     "One step's rows as one Parquet file (one row group), fsynced under a hidden name, then renamed into place."
     import pyarrow as pa, pyarrow.parquet as pq
     with atomic_write(path) as tmp:
         pq.write_table(pa.Table.from_pandas(as_strings(df, STR_COLS), preserve_index=False), tmp, row_group_size=max(len(df), 1))
 
+# %% ../nbs/02_recorder.ipynb #346d5634-s3
 def _combine_parts(parts, dest):
     "Stream the parts into one Parquet file at `dest`, one row group per part: memory holds one step, never the run."
     import pyarrow.parquet as pq
@@ -163,7 +167,6 @@ def _combine_parts(parts, dest):
         with pq.ParquetWriter(f, schema) as w:
             for p in files: w.write_table(pq.read_table(p).cast(schema))
         f.flush(); os.fsync(f.fileno())
-
 
 # %% ../nbs/02_recorder.ipynb #2badccdf
 def _call_args(batch):
@@ -199,17 +202,20 @@ def _token_mask(mask, cache_position=None):
     "This call's (batch, tokens) mask: `mask` itself, or its columns at `cache_position` (a KV-cache step, whose mask spans the cache)."
     return mask if cache_position is None else mask.index_select(1, cache_position)
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b1-s1
 def _row_keep(mask, x):
     "True per row of `x` (viewed as rows × channels) whose token is real: `x` is (batch, tokens, C), (batch, heads, tokens, C) or (batch·tokens, C)."
     m = mask != 0
     if x.dim() == 2: return m.reshape(-1)
     return m.reshape(m.shape[0], *([1] * (x.dim() - 3)), m.shape[1]).expand(x.shape[:-1]).reshape(-1)
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b1-s2
 def _aligned(mask, x):
     "Whether `x`'s rows are `mask`'s tokens (a later batch of another shape is sketched whole)."
     if x.dim() == 2: return x.shape[0] == mask.numel()
     return x.dim() >= 3 and x.shape[0] == mask.shape[0] and x.shape[-2] == mask.shape[1]
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b1-s3
 def masked_sketch(x:torch.Tensor, # a tapped tensor whose rows are tokens
                   mask:torch.Tensor, # (batch, tokens), 0 at padded tokens
                   bins:int=64, # histogram bins
@@ -220,6 +226,7 @@ def masked_sketch(x:torch.Tensor, # a tapped tensor whose rows are tokens
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3
 def _placeholder(inj, name): return next((n for n in inj.graph.nodes if n.op == 'placeholder' and n.target == name), None)
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3-s1
 def _mask_node(inj, mask=None):
     "The node holding this call's (batch, tokens) mask and that shape: a buffer with `mask` (given to `record`), else the graph's 2-D `attention_mask` input; (None, None) without one."
     g = inj.graph
@@ -240,12 +247,14 @@ def _mask_node(inj, mask=None):
         shape = (shape[0], cs[0])
     return node, shape
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3-s2
 def _token_rows(shape, uses, B, T):
     "Whether a tapped tensor of `shape`, tapped as `uses` ((role, op) pairs), has the mask's tokens as its rows."
     if shape is None or len(shape) < 2 or not uses: return False
     if any(r not in ('lhs', 'out') or op not in ROW_OPS for r, op in uses): return False   # a weight, a key or value operand: not the queries
     return shape[0] == B * T if len(shape) == 2 else shape[0] == B and shape[-2] == T
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3-s3
 def _apply_mask(inj, mask=None, rows=True):
     "Hand the (batch, tokens) mask to the taps: attention taps leave padded query rows out, matmul taps whose rows are tokens (if `rows`) sketch the real tokens only."
     node, shape = _mask_node(inj, mask)
@@ -262,6 +271,7 @@ def _apply_mask(inj, mask=None, rows=True):
     inj.graph.lint(); inj.recompile()
     return inj
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3-s4
 def _set_mask(inj, mask):
     "Copy this step's `attention_mask` into the graph's mask buffer (in place when the shape is the same, so a compiled graph keeps reading it)."
     if mask.dim() != 2: raise InputError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
@@ -279,13 +289,16 @@ def gate_tolerance(dtype:torch.dtype, # the primary output's dtype
     "(rtol, atol) within which a graph with decomposed attention must match the eager model: `GATE_TOL` for half types, SDPA_RTOL/ATOL otherwise."
     return GATE_TOL.get(dtype, (SDPA_RTOL, SDPA_ATOL))
 
+# %% ../nbs/02_recorder.ipynb #b925b84b-s1
 def _first_float(x):
     return next((t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
+# %% ../nbs/02_recorder.ipynb #b925b84b-s2
 def _decomposed(gm, inj):
     "How many ops opscope decomposed between the traced graph `gm` and the injected `inj`."
     return inj.meta.get('opscope_sdpa', 0) - getattr(gm, 'meta', {}).get('opscope_sdpa', 0)
 
+# %% ../nbs/02_recorder.ipynb #b925b84b-s3
 def eager_gate(reference, # () -> the eager model's output on the step's inputs
                injected, # () -> (primary, stats) of the injected graph on the same inputs
                decomposed:int=0, # ops opscope decomposed (SDPA, MHA): compare within `gate_tolerance` of the output's dtype instead of bit for bit

@@ -42,6 +42,7 @@ class StaticDecoder(nn.Module):
                          cache_position=cache_position, use_cache=True, **{self.cache_kw: cache})
         return out.logits
 
+# %% ../nbs/02b_runners.ipynb #b2ff6d25-s1
 def static_cache(model:nn.Module, # the decoder
                  batch:int, # sequences
                  max_len:int, # cache slots per sequence
@@ -76,6 +77,7 @@ def _unwrapped(stats:dict)->dict:
     "Stats keyed by the decoder's own site names: `StaticDecoder` holds it as `.model`, which the traced graph prefixes."
     return {k.removeprefix('model.'): v for k, v in stats.items()}
 
+# %% ../nbs/02b_runners.ipynb #566fc1a5-s1
 def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval mode
                     input_ids:torch.Tensor, # (batch, prompt) token ids, left-padded
                     max_new_tokens:int, # N: new tokens, and recorded steps
@@ -131,11 +133,13 @@ def _step_graph(run, args, taps, bins):
     if msg: warnings.warn(msg)
     return _inject(gm, taps, bins, rows=_padded(args))
 
+# %% ../nbs/02b_runners.ipynb #d1e617f0-s1
 def _padded(args):
     "Whether this call's tokens include padding (a host check when the graph is built): a decode step's never do, so its row taps skip the masked sketch."
     _, mask, _, cache_position, *_ = args
     return bool((mask.index_select(1, cache_position) == 0).any())
 
+# %% ../nbs/02b_runners.ipynb #d1e617f0-s2
 def _gated(run, inj, args, step):
     "The injected graph's `(logits, stats)`, checked against the eager model run on a copy of the cache."
     *head, keys, values = args
@@ -182,9 +186,11 @@ def load_factory(spec:str, # 'FILE.py:FACTORY'
     if not batches: raise InputError(f"{spec} returned no batches")
     return got[0], batches
 
+# %% ../nbs/02b_runners.ipynb #7ffbe731-s1
 def _is_decoder(config):
     return any(a.endswith(('ForCausalLM', 'LMHeadModel')) for a in (getattr(config, 'architectures', None) or []))
 
+# %% ../nbs/02b_runners.ipynb #7ffbe731-s2
 def load_hf(path, # a local folder with config.json, *.safetensors weights and a tokenizer
            )->tuple[nn.Module, object, bool]:
     "`(model, tokenizer, is_decoder)` from a local Hugging Face folder, offline and without pickle."
@@ -200,6 +206,7 @@ def load_hf(path, # a local folder with config.json, *.safetensors weights and a
     except Exception as e: raise InputError(f"{path}: no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return model, tok, dec
 
+# %% ../nbs/02b_runners.ipynb #7ffbe731-s3
 def read_prompts(path)->list[str]:
     "The non-empty lines of a text file."
     p = Path(path)

@@ -54,9 +54,11 @@ def _workload(name, steps):
     e = get_model(name, 'scale')
     return (*e.workload(steps), name, e.dist)
 
+# %% ../nbs/03a_scale.ipynb #1c3ee831-s1
 def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
+# %% ../nbs/03a_scale.ipynb #1c3ee831-s2
 def _spawned(rank, world, port, out, workload, steps, backend):
     import torch, torch.distributed as td
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
@@ -68,6 +70,7 @@ def _spawned(rank, world, port, out, workload, steps, backend):
         record_shard(model, batches, out, run_id=run_id, dist=dist)
     finally: td.destroy_process_group()
 
+# %% ../nbs/03a_scale.ipynb #1c3ee831-s3
 def record_spawned(out, # the dataset directory to write
                    world:int=2, # processes (ranks)
                    workload:str='seq', # one of `WORKLOADS`
@@ -95,6 +98,7 @@ def _connect(memory_limit=None, threads=None, temp_directory=None):
     con.execute("SET enable_progress_bar = false")        # a library call prints nothing
     return con
 
+# %% ../nbs/03a_scale.ipynb #d1a07cae-s1
 def _source(con, src):
     "Register `src` (dataset directory, .parquet file, .csv file or DataFrame) and return its FROM clause."
     if isinstance(src, pd.DataFrame):
@@ -111,6 +115,7 @@ def _source(con, src):
     if p.suffix.lower() == '.parquet': return f"read_parquet({_Q(p)})"
     con.register('frame', read_sketches(p)); return 'frame'     # CSV: validated by read_sketches, then the same SQL
 
+# %% ../nbs/03a_scale.ipynb #d1a07cae-s2
 def _views(con, src, name):
     "Views `sk` (typed, NaN as NULL) and `base` (matmul-style taps) over the source; the source's columns."
     frm = _source(con, src)
@@ -127,11 +132,13 @@ def _views(con, src, name):
     con.execute("CREATE MACRO nn(x) AS CASE WHEN isnan(x) THEN NULL ELSE x END")   # per-step NaN skipped, as pandas' mean does
     return cols
 
+# %% ../nbs/03a_scale.ipynb #d1a07cae-s3
 def _stat_sql():
     "The stat column with schema-1 names renamed (`recorder.RENAMED_STATS`), as read_sketches does."
     cases = ' '.join(f"WHEN {_Q(a)} THEN {_Q(b)}" for a, b in RENAMED_STATS.items())
     return f"CASE CAST(stat AS VARCHAR) {cases} ELSE CAST(stat AS VARCHAR) END"
 
+# %% ../nbs/03a_scale.ipynb #d1a07cae-s4
 def _bad_steps_sql(con):
     "`steps`: miner.step_table's facts per (tap, step); view `sk`: the rows of `raw` without the (tap, step)s holding NaN/Inf."
     cols = ', '.join(f"max(CASE WHEN stat = {_Q(s)} THEN value END) {s}" for s in _m.STEP_STATS)
@@ -141,6 +148,7 @@ def _bad_steps_sql(con):
         WHERE coalesce(nan_count, 0) + coalesce(inf_count, 0) > {_m.NONFINITE_MAX}""")
     con.execute(f"CREATE VIEW sk AS SELECT * FROM raw ANTI JOIN bad USING ({K}, step)")
 
+# %% ../nbs/03a_scale.ipynb #d1a07cae-s5
 def _q(con, sql, index=None):
     df = con.execute(sql).df()
     return df.set_index(index) if index else df
@@ -171,6 +179,7 @@ def _features_sql(con):
     steps = _q(con, f"SELECT {K}, count(DISTINCT step) steps FROM base GROUP BY ALL", _m.KEYS).steps
     return _m.derived_features(pd.concat([scal, hist, rows, chan], axis=1), steps)
 
+# %% ../nbs/03a_scale.ipynb #7c9e71e8-s1
 def _channel_findings_sql(con):
     "Per-channel reductions (dead channels, outlier shares) and the softmax / top-k rows pooled over steps (`partials.infer_table`)."
     dead = _q(con, f"""SELECT {K}, 'chan_density' stat, 0 step, idx, max(value) value FROM sk
@@ -275,6 +284,7 @@ def _dask():
 
 PART_BYTES = 2**20    # Parquet bytes on disk per partition of a local dataset (~18× that decoded, measured below)
 
+# %% ../nbs/03a_scale.ipynb #4fe7325b-s1
 def _read_dask(dd, src, storage_options=None, workers=1):
     "Sketches as a dask DataFrame with typed columns (keys as strings, a missing name as ''), partitions of whole files."
     if isinstance(src, pd.DataFrame): d, name = dd.from_pandas(src, npartitions=max(1, workers), sort=False), 'DataFrame'
@@ -300,11 +310,13 @@ def _read_dask(dd, src, storage_options=None, workers=1):
     if 'rank' in d.columns: cols['rank'] = d['rank'].astype('int64')
     return d.assign(**cols)[list(cols)]
 
+# %% ../nbs/03a_scale.ipynb #4fe7325b-s2
 def _strkeys(x):
     "A gathered pandas result with KEYS as plain str columns (so both engines' tables align)."
     x = x.reset_index(drop=x.index.names == [None])   # a named index (group keys) becomes columns
     return as_strings(x, _m.KEYS)
 
+# %% ../nbs/03a_scale.ipynb #4fe7325b-s3
 def _whole_steps(sk, run):
     "`sk` with every (run_id, step) inside one partition (shuffled if not); refuses steps from two ranks."
     steps = run(sk.map_partitions(lambda d: d[[c for c in ['run_id', 'step', 'rank'] if c in d]].drop_duplicates()))[0]

@@ -70,6 +70,7 @@ def _matmul_rows(name, args, out):
     a, b = (args[0], args[1]) if name == 'bmm' else (args[1], args[2])
     return [_gemm(name, 'matmul', a.shape[0], a.shape[1], a.shape[2], b.shape[2], nb)]
 
+# %% ../nbs/06_shapes.ipynb #6da60ba6-s1
 def _grouped_rows(name, args, kwargs, out):
     "One GEMM row per expert of a grouped matmul, M = the rows its offsets give it (one row of all rows on `meta`)."
     x, w = args[0], args[1]
@@ -79,6 +80,7 @@ def _grouped_rows(name, args, kwargs, out):
     counts = torch.diff(offs.detach().cpu().long(), prepend=offs.new_zeros(1).cpu().long()).tolist()
     return [dict(_gemm(name, 'matmul', 1, c, K, N, (c * (K + N) + K * N) * es), expert=e) for e, c in enumerate(counts)]
 
+# %% ../nbs/06_shapes.ipynb #6da60ba6-s2
 def _conv_rows(name, args, out):
     x, w = args[0], args[1]
     transposed, groups = bool(args[6]), int(args[8])
@@ -95,6 +97,7 @@ def _sdpa_rows(name, args, out):
     return [_gemm('sdpa.qk', 'attention', b, L, E, S, _nbytes(q, k)),
             _gemm('sdpa.pv', 'attention', b, L, S, Ev, _nbytes(v, out))]
 
+# %% ../nbs/06_shapes.ipynb #bc10e634-s1
 def _mha_rows(name, args, out):
     q, k, v, E, H, w_in, b_in, w_out, b_out = args[:9]
     B, L, S, hd, es = q.shape[0], q.shape[1], k.shape[1], E // H, q.element_size()
@@ -174,11 +177,13 @@ def _torch_layer(m):
     "True for one of torch's own layers (`nn.Linear`, `nn.MultiheadAttention`, ...): costed as it runs eagerly, its fused kernel included."
     return type(m).__module__.startswith('torch.nn.modules')
 
+# %% ../nbs/06_shapes.ipynb #dd9259d3-s1
 def _in_spec(gm):
     "The input pytree spec of a `torch.export` module (which takes keywords), else None."
     info = getattr(gm.graph._codegen, 'pytree_info', None)
     return None if info is None else info.in_spec
 
+# %% ../nbs/06_shapes.ipynb #dd9259d3-s2
 def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`; may live on the `meta` device
              *inputs, # its positional inputs (on the model's device; meta tensors count without computing)
              **kwargs, # its keyword inputs
@@ -220,11 +225,13 @@ def coverage(model:nn.Module, # an `nn.Module`, or a `GraphModule` from `trace`
     g = c[c.kind.isin(GEMM_KINDS)]
     return pd.DataFrame({'site': g.site, 'op': g.op, 'flops': g.flops, 'tapped': g.site.isin(tapped)}).reset_index(drop=True)
 
+# %% ../nbs/06_shapes.ipynb #62cd809b-s1
 def tapped_share(cov:pd.DataFrame)->float:
     "The share of `cov`'s GEMM FLOPs that opscope taps (1.0 for a graph without GEMMs)."
     total = cov.flops.sum()
     return float(cov.flops[cov.tapped].sum() / total) if total else 1.0
 
+# %% ../nbs/06_shapes.ipynb #62cd809b-s2
 def coverage_warning(cov:pd.DataFrame, # from `coverage`
                      min_share:float=COVERAGE_MIN, # warn below this tapped share
                      top:int=5, # untapped ops to name
@@ -283,6 +290,7 @@ def roofline(costs:pd.DataFrame, # from `op_costs`
     df.attrs.update(peak_flops=peak_flops, bandwidth=bandwidth, ridge=ridge)
     return df
 
+# %% ../nbs/06_shapes.ipynb #03f0eb94-s1
 def roofline_totals(roof:pd.DataFrame, # from `roofline`
                     by=('kind', 'bound'), # columns to group by
                    )->pd.DataFrame:
@@ -347,6 +355,7 @@ def _si(v, unit=''):
         if abs(v) >= p: return f'{v / p:.2f} {s}{unit}'
     return f'{v:.0f} {unit}'
 
+# %% ../nbs/06_shapes.ipynb #059e1f47-s1
 def shapes_report(roof:pd.DataFrame, # from `roofline`
                   top:int=10, # how many ops and GEMM shapes to list
                  )->str:

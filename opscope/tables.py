@@ -31,6 +31,7 @@ def _fsync_dir(folder:Path):
     except OSError: pass
     finally: os.close(fd)
 
+# %% ../nbs/00a_tables.ipynb #4511855f-s1
 @contextlib.contextmanager
 def atomic_write(path): # the file the block produces
     "Yield a temporary path next to `path`; fsync it, rename it into place and fsync the folder only if the block completes."
@@ -78,8 +79,10 @@ def as_strings(table:pd.DataFrame, # any opscope table (sketches, findings, plan
     if not cols: return table
     return table.assign(**{c: _to_str(table[c]) for c in cols})
 
+# %% ../nbs/00a_tables.ipynb #8f378ee6-s1
 def _plain_str(s): return s.dtype == 'str' and not s.isna().any()
 
+# %% ../nbs/00a_tables.ipynb #8f378ee6-s2
 def _to_str(s):
     "A column as pandas' `str`, missing values as the empty name; a categorical by one vectorized `take` of its names."
     if isinstance(s.dtype, pd.CategoricalDtype):
@@ -129,6 +132,7 @@ def _committed(path, raw):
         warnings.warn(f"{path}: dropped the torn last step ({torn}, {len(raw) - start:,} bytes after the last commit)")
     return raw[:start]
 
+# %% ../nbs/00a_tables.ipynb #c0a1f15e-s1
 def _torn_name(tail, header):
     "Which step a torn tail of a CSV belongs to, from its first line."
     import csv, io
@@ -150,6 +154,7 @@ def _read_csv(path):
     except pd.errors.ParserError as e: raise InputError(f"{path}: malformed CSV: {e}") from None
     except UnicodeDecodeError: raise InputError(f"{path}: not a text CSV file") from None
 
+# %% ../nbs/00a_tables.ipynb #c2e74dbc-s1
 def _read_parquet(path):
     import pyarrow as pa, pyarrow.parquet as pq
     try: return pq.read_table(path).to_pandas()
@@ -157,6 +162,7 @@ def _read_parquet(path):
 
 INT64_LIMIT = 2.0 ** 63   # |integer column| below this, or int64 would wrap it silently
 
+# %% ../nbs/00a_tables.ipynb #c2e74dbc-s2
 def _check_int(raw, col, path, line0, c):
     "Raise unless the numbers `col` (parsed from column `c`) are integers that int64 holds; name the first bad row."
     bad = ~(col.abs() < INT64_LIMIT)
@@ -167,6 +173,7 @@ def _check_int(raw, col, path, line0, c):
         where = f"line {i + line0}" if line0 else f"row {i}"
         raise InputError(f"{path}: {where}: column {c!r} holds {raw.iloc[i]}, {what} (column {c!r} must hold integers)")
 
+# %% ../nbs/00a_tables.ipynb #c2e74dbc-s3
 def _check(df, path, line0):
     require_columns(df.columns, SCHEMA, str(path))
     for c in INT_COLS + ['value']:
@@ -191,6 +198,7 @@ def _check(df, path, line0):
     rest = (['rank'] if 'rank' in df else []) + [c for c in df.columns if c not in SCHEMA and c != 'rank']
     return df[SCHEMA + rest]
 
+# %% ../nbs/00a_tables.ipynb #c2e74dbc-s4
 def _read_dataset(path):
     import pyarrow as pa, pyarrow.dataset as ds, pyarrow.parquet as pq
     files = dataset_files(path)

@@ -290,6 +290,7 @@ def stepped_sequence(steps:int=16, # calls: one prefill, then steps-1 decode cal
     cuts = [0, prefill] + [prefill + i * window for i in range(1, steps)]
     return [x[a:b].unsqueeze(0) for a, b in zip(cuts[:-1], cuts[1:])]
 
+# %% ../nbs/00_zoo.ipynb #d23b42be-s1
 def seq_model(d:int=64, layers:int=2, seed:int=0)->Transformer:
     "The causal zoo transformer that `stepped_sequence` drives."
     return transformer(layers=layers, d=d, heads=4, causal=True, seed=seed)
