@@ -301,10 +301,10 @@ def probe_pointers(findings:pd.DataFrame, # from `miner.mine`
                   )->pd.DataFrame:
     "Dump the taps that `findings`' `deep-dump` pointers name, from one run of `model` on `inputs`, and `rank_table` them."
     p = findings[findings.exploit == 'deep-dump']
-    if run_id is not None: p = p[p.run_id.astype(str) == str(run_id)]
+    if run_id is not None: p = p[p.run_id == str(run_id)]
     if p.empty: return rank_table({}, run_id)
     dump = dump_sites(model, inputs, sites=sorted(set(p.site)), roles=tuple(sorted(set(p.role))))
-    want = set(p.site.astype(str) + '/' + p.role.astype(str))
+    want = set(p.site + '/' + p.role)
     return rank_table({k: v for k, v in dump.items() if k in want}, run_id)
 
 # %% ../nbs/05_probe.ipynb #b4c6a501
@@ -312,9 +312,8 @@ def sweep_ranks(findings:pd.DataFrame, # `miner.mine` of sketches `recorder.swee
                 seed:int=0, structure_seed:int=0, # the sweep's seeds (step 0 is drawn with `seed`)
                )->pd.DataFrame:
     "`probe_pointers` for every sweep run with a `deep-dump` pointer: its step-0 batch drawn again, the pointed taps dumped and measured."
-    from opscope import zoo      # (zoo imports nothing of opscope; kept lazy like model_tensors)
     parts = []
-    for run in sorted(set(findings.loc[findings.exploit == 'deep-dump', 'run_id'].astype(str))):
+    for run in sorted(set(findings.loc[findings.exploit == 'deep-dump', 'run_id'])):
         m = re.fullmatch(r'(.+)-(\d+)x(\d+)x(\d+)', run)
         if m is None or m.group(1) not in zoo.DISTS:
             raise InputError(f"run {run!r} is not a sweep run (dist-MxKxN); dump its taps with probe.probe_pointers")
