@@ -89,11 +89,11 @@ def crest_at_sqnr(db:float, bits:int)->float:
     return 10 ** ((6.02 * bits + 4.77 - db) / 20)
 
 # %% ../nbs/03_miner.ipynb #fd8f3489-s3
-def tap_features(df:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
+def tap_features(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
                 )->pd.DataFrame:
     "One row per tap (run_id, dist, site, role) with the features the rules read, pooled over steps."
-    f = pd.concat([_scalar_features(df), _hist_features(df), _row_features(df), _chan_features(df)], axis=1)
-    return derived_features(f, df.groupby(KEYS, observed=True).step.nunique())
+    f = pd.concat([_scalar_features(sketches), _hist_features(sketches), _row_features(sketches), _chan_features(sketches)], axis=1)
+    return derived_features(f, sketches.groupby(KEYS, observed=True).step.nunique())
 
 FEATURES = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel',
             'kurtosis_all', 'cv2', 'rows', 'rows90', 'outlier_ratio', 'channels')
@@ -174,9 +174,9 @@ def rule_deep_dump(f):
                      'rank is not sketch-observable) → dump this tap and probe it' for v in s.rho])
 
 # %% ../nbs/03_miner.ipynb #bc219932
-def rule_dead_channels(df):
+def rule_dead_channels(sketches):
     "`dead-channels`: channels whose `chan_density` is 0 in every recorded step (an exact K-slice to drop)."
-    c = df[df.stat == 'chan_density']
+    c = sketches[sketches.stat == 'chan_density']
     mx = c.groupby(KEYS + ['idx'], observed=True).value.max()
     dead = mx[mx <= DEAD_CHANNEL_DENSITY].reset_index()
     if dead.empty: return pd.DataFrame(columns=FINDINGS)
@@ -188,9 +188,9 @@ def rule_dead_channels(df):
                       )[FINDINGS]
 
 # %% ../nbs/03_miner.ipynb #bc219932-s1
-def rule_outlier_channels(df):
+def rule_outlier_channels(sketches):
     "`channel-outliers`: channels OUTLIER_RATIO× the median channel's absmax in at least OUTLIER_PERSIST of steps."
-    return outlier_rows(_outlier_share(df))
+    return outlier_rows(_outlier_share(sketches))
 
 # %% ../nbs/03_miner.ipynb #bc219932-s2
 def _outlier_share(df):
@@ -219,18 +219,18 @@ COHERENCE_P = 0.01       # consecutive steps coherent when no shuffle is as smoo
 COHERENCE_VN_MAX = 0.7   # ... and the von Neumann ratio is clearly below 1
 
 # %% ../nbs/03_miner.ipynb #ce9ef961
-def usual_steps(df):
+def usual_steps(sketches):
     "Rows of each tap's steps whose numel is the tap's most common one."
-    n = df[df.stat == 'numel'][KEYS + ['step', 'value']]
+    n = sketches[sketches.stat == 'numel'][KEYS + ['step', 'value']]
     counts = n.groupby(KEYS + ['value'], observed=True).size().rename('k').reset_index()
     mode = counts.sort_values(['k', 'value'], ascending=[False, True], kind='stable').drop_duplicates(KEYS)  # most common, smallest on ties
     ok = n.merge(mode[KEYS + ['value']].rename(columns={'value': 'usual'}), on=KEYS)
     return ok.loc[ok.value == ok.usual, KEYS + ['step']]
 
 # %% ../nbs/03_miner.ipynb #ce9ef961-s1
-def step_matrix(df, stat, usual):
+def step_matrix(sketches, stat, usual):
     "(tap, idx) × step values of `stat` over each tap's `usual` steps (from `usual_steps`), rows sorted by tap."
-    c = df[df.stat == stat].merge(usual, on=KEYS + ['step'])
+    c = sketches[sketches.stat == stat].merge(usual, on=KEYS + ['step'])
     c['t'] = c.groupby(KEYS + ['idx'], observed=True).cumcount()
     w = c.pivot_table(index=KEYS + ['idx'], columns='t', values='value', aggfunc='first', observed=True).sort_index()
     return w
@@ -255,17 +255,17 @@ def stationary(rng_:pd.DataFrame, # `min` and `max` columns of a statistic acros
     return relative_range(rng_) <= STATIONARY_RTOL
 
 # %% ../nbs/03_miner.ipynb #57b6e8f5-s2
-def cross_step(df:pd.DataFrame, # tidy sketches
+def cross_step(sketches:pd.DataFrame, # tidy sketches
                seed:int=0, # seeds the step shuffles
               )->pd.DataFrame:
     "Per tap: steps compared, `stationary`, `drift` (relative change per step), von Neumann `vn` and its permutation `vn_p`."
-    df = df[df.stat.isin(CROSS_STATS + ('numel',))]
-    df = as_strings(df, KEYS)   # one key dtype, so merged indexes align
-    usual = usual_steps(df)
-    x = df[df.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
+    sketches = sketches[sketches.stat.isin(CROSS_STATS + ('numel',))]
+    sketches = as_strings(sketches, KEYS)   # one key dtype, so merged indexes align
+    usual = usual_steps(sketches)
+    x = sketches[sketches.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
     rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max'])
     return cross_table(stationary(rng_).groupby(level=KEYS, observed=True).all(),
-                        usual.groupby(KEYS, observed=True).size(), step_matrix(df, 'chan_absmax', usual), seed)
+                        usual.groupby(KEYS, observed=True).size(), step_matrix(sketches, 'chan_absmax', usual), seed)
 
 # %% ../nbs/03_miner.ipynb #57b6e8f5-s3
 def cross_table(stationary, steps, w, seed=0):
@@ -326,9 +326,9 @@ def _sinks(df):
     return pd.DataFrame({'share': share, 'ratio': ratio, 'sink': (share >= SINK_MIN_SHARE) & (ratio >= SINK_RATIO)})
 
 # %% ../nbs/03_miner.ipynb #48cf02f8
-def rule_attention_sink(df):
+def rule_attention_sink(sketches):
     "`attention-sink`: key positions taking >= SINK_MIN_SHARE of all mass and >= SINK_RATIO× their even share."
-    s = _sinks(df)
+    s = _sinks(sketches)
     s = s[s.sink]
     if s.empty: return pd.DataFrame(columns=FINDINGS)
     return _rows(s.share, 'key_mass', 'attention-sink',
@@ -355,9 +355,9 @@ def _keys90(df):
     return per.groupby(KEYS + ['h'], observed=True).needed.mean().groupby(level=KEYS, observed=True).mean()
 
 # %% ../nbs/03_miner.ipynb #48cf02f8-s2
-def rule_kv_eviction(df):
+def rule_kv_eviction(sketches):
     "`kv-eviction`: a small share of the live keys (<= KV_KEYS90_MAX) holds 90% of each head's attention mass."
-    k = _keys90(df)
+    k = _keys90(sketches)
     k = k[k <= KV_KEYS90_MAX]
     if k.empty: return pd.DataFrame(columns=FINDINGS)
     return _rows(k.to_frame('v').assign(idx=-1).set_index('idx', append=True).v, 'head_mass', 'kv-eviction',
@@ -381,9 +381,9 @@ def _window(df, keep_max=None, lift=None):
     return ok.sort_values('idx').groupby(KEYS, observed=True).first().rename(columns={'idx': 'w'})
 
 # %% ../nbs/03_miner.ipynb #ba452fbd-s1
-def rule_windowed(df):
+def rule_windowed(sketches):
     "`windowed-attention`: sink keys plus a band ±w around the diagonal hold WINDOW_MASS of the mass (idx = w)."
-    w = _window(df)
+    w = _window(sketches)
     if w.empty: return pd.DataFrame(columns=FINDINGS)
     out = w.reset_index().rename(columns={'w': 'idx'})
     return out.assign(stat='diag_mass', value=out.mass, exploit='windowed-attention', detail=[
@@ -391,15 +391,15 @@ def rule_windowed(df):
         f'would → sliding-window attention (w={i})' for i, u, s, e in zip(out.idx, out.union, out.sink, out.even)])[FINDINGS]
 
 # %% ../nbs/03_miner.ipynb #18224a5b
-def _expert_share(df):
+def _expert_share(sketches):
     "Per (tap, expert): its share of the routing assignments over the uniform share 1/E."
-    load = _pooled(df, 'gate', 'expert_load')
+    load = _pooled(sketches, 'gate', 'expert_load')
     E = load.groupby(level=KEYS, observed=True).transform('size')
     return load / load.groupby(level=KEYS, observed=True).transform('sum') * E
 
-def rule_experts(df):
+def rule_experts(sketches):
     "`cold-experts` / `hot-experts`: experts routed <= COLD_LOAD_RATIO× / >= HOT_LOAD_RATIO× the uniform share."
-    r = _expert_share(df)
+    r = _expert_share(sketches)
     cold, hot = r[r <= COLD_LOAD_RATIO], r[r >= HOT_LOAD_RATIO]
     parts = [_rows(cold, 'expert_load', 'cold-experts',
                    [f'expert {i} gets {v:.2f}× its uniform load → drop or offload it' for i, v in zip(cold.index.get_level_values('idx'), cold)]),
@@ -409,17 +409,17 @@ def rule_experts(df):
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=FINDINGS)
 
 # %% ../nbs/03_miner.ipynb #9ee699f2
-def infer_features(df:pd.DataFrame, # tidy sketches
+def infer_features(sketches:pd.DataFrame, # tidy sketches
                   )->pd.DataFrame:
     "Per attention tap: top key, its share and ratio, keys90, the window at WINDOW_MASS; per gate tap: min/max expert load ratio."
-    s = _sinks(df).reset_index()
+    s = _sinks(sketches).reset_index()
     out = []
     if len(s):
         top = s.sort_values('share', ascending=False).groupby(KEYS, observed=True).first()
-        w = _window(df, keep_max=1.0, lift=0.0)
-        out.append(pd.DataFrame({'top_key': top.idx, 'top_share': top.share, 'top_ratio': top.ratio, 'keys90': _keys90(df),
+        w = _window(sketches, keep_max=1.0, lift=0.0)
+        out.append(pd.DataFrame({'top_key': top.idx, 'top_share': top.share, 'top_ratio': top.ratio, 'keys90': _keys90(sketches),
                                  'window': w.w, 'window_even': w.even, 'window_lift': w.lift}))
-    r = _expert_share(df)
+    r = _expert_share(sketches)
     if len(r): out.append(pd.DataFrame({'load_min': r.groupby(level=KEYS, observed=True).min(),
                                         'load_max': r.groupby(level=KEYS, observed=True).max()}))
     return pd.concat(out).sort_index() if out else pd.DataFrame()
@@ -438,10 +438,10 @@ HOT_LOAD_RATIO = 2.0    # ... at least this × the uniform share is hot
 NONFINITE_MAX = 0    # a (tap, step) with more NaN + Inf values than this is not read for value structure
 STEP_STATS = ('nan_count', 'inf_count', 'numel', 'min', 'max')
 
-def step_table(df:pd.DataFrame, # tidy sketches
+def step_table(sketches:pd.DataFrame, # tidy sketches
               )->pd.DataFrame:
     "Per (tap, step): `nan_count`, `inf_count`, `numel`, `min`, `max` — what the bad-data rules read (shared by the engines)."
-    s = df[df.stat.isin(STEP_STATS)]
+    s = sketches[sketches.stat.isin(STEP_STATS)]
     w = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
     return step_frame(w)
 
@@ -457,14 +457,14 @@ def step_frame(w):
 def _bad(st): return st[(st.nan_count + st.inf_count) > NONFINITE_MAX]
 
 # %% ../nbs/03_miner.ipynb #76911d41-s3
-def drop_nonfinite_steps(df:pd.DataFrame, # tidy sketches
-                         st:pd.DataFrame, # `step_table(df)`
+def drop_nonfinite_steps(sketches:pd.DataFrame, # tidy sketches
+                         st:pd.DataFrame, # `step_table(sketches)`
                         )->pd.DataFrame:
-    "`df` without the rows of the (tap, step)s holding NaN/Inf: their other statistics describe NaN-zeroed data."
+    "`sketches` without the rows of the (tap, step)s holding NaN/Inf: their other statistics describe NaN-zeroed data."
     bad = _bad(st)
-    if bad.empty: return df
-    keys = pd.MultiIndex.from_frame(as_strings(df[KEYS + ['step']], KEYS))
-    return df[~keys.isin(bad.index)]
+    if bad.empty: return sketches
+    keys = pd.MultiIndex.from_frame(as_strings(sketches[KEYS + ['step']], KEYS))
+    return sketches[~keys.isin(bad.index)]
 
 # %% ../nbs/03_miner.ipynb #228470d9
 def _steps_text(steps):
@@ -598,9 +598,9 @@ def _prob_operands(df):
     return set(zip(j.run_id, j.site))
 
 # %% ../nbs/03_miner.ipynb #209e4dd2-s3
-def drop_masked(out, df):
+def drop_masked(out, sketches):
     "Drop sparsity / dead-channel / outlier findings on attention probabilities: their zeros are the mask's (padding, causal)."
-    probs = _prob_operands(df)
+    probs = _prob_operands(sketches)
     if not probs or out.empty: return out
     hit = out.exploit.isin(MASK_VETO) & (out.role == 'lhs') & pd.Series([k in probs for k in zip(out.run_id, out.site)], index=out.index)
     kept = out[~hit].reset_index(drop=True)

@@ -221,17 +221,17 @@ def _cross_sql(con):
     return stationary, steps, w
 
 # %% ../nbs/03a_scale.ipynb #d14573e3
-def mine_duckdb(src, # a Parquet dataset directory, a .parquet / .csv sketches file, or a DataFrame
+def mine_duckdb(sketches, # a Parquet dataset directory, a .parquet / .csv sketches file, or a DataFrame
                 memory_limit:str=None, # DuckDB's memory cap, e.g. '512MB' (default: DuckDB's, 80% of RAM)
                 threads:int=None, # DuckDB worker threads (default: all cores)
                 temp_directory:str=None, # where DuckDB spills when over the limit (default: DuckDB's)
                )->pd.DataFrame:
-    "`miner.mine`'s findings, with every aggregation run out of core in DuckDB over the sketches in `src`."
-    name = 'DataFrame' if isinstance(src, pd.DataFrame) else str(src)
+    "`miner.mine`'s findings, with every aggregation run out of core in DuckDB over `sketches`."
+    name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)
     con = _connect(memory_limit, threads, temp_directory)
     import duckdb
     try:
-        cols = _views(con, src, name)
+        cols = _views(con, sketches, name)
         if con.execute("SELECT count(*) FROM sk").fetchone()[0] == 0: return pd.DataFrame(columns=_m.FINDINGS)
         if 'rank' in cols:
             clash = con.execute('SELECT run_id, step FROM sk GROUP BY run_id, step HAVING count(DISTINCT "rank") > 1 LIMIT 1').fetchall()
@@ -247,14 +247,14 @@ def mine_duckdb(src, # a Parquet dataset directory, a .parquet / .csv sketches f
     finally: con.close()
 
 # %% ../nbs/03a_scale.ipynb #75ded7ac
-def select_sketches(src, # a Parquet dataset directory, a .parquet / .csv sketches file, or a DataFrame
+def select_sketches(sketches, # a Parquet dataset directory, a .parquet / .csv sketches file, or a DataFrame
                     stats, # the statistics to read, e.g. ['density']
                    )->pd.DataFrame:
     "The rows of `stats` only (run_id, dist, site, role, step, stat, idx, value), read through DuckDB."
-    name = 'DataFrame' if isinstance(src, pd.DataFrame) else str(src)
+    name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)
     con = _connect()
     try:
-        _views(con, src, name)
+        _views(con, sketches, name)
         return con.execute(f"SELECT * FROM raw WHERE stat IN ({', '.join(_Q(s) for s in stats)})").df()
     finally: con.close()
 
@@ -367,7 +367,7 @@ def _dask_tables(sk, run):
     return out
 
 # %% ../nbs/03a_scale.ipynb #ca228aa8
-def mine_dask(src, # a Parquet dataset (local directory or fsspec URL: s3://…, gs://…), a .parquet / .csv file, or a DataFrame
+def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3://…, gs://…), a .parquet / .csv file, or a DataFrame
               client=None, # a `distributed.Client`, a scheduler address, or None: a `LocalCluster` for this call
               storage_options:dict=None, # passed to fsspec (credentials, endpoint, ...) for a URL
               n_workers:int=None, # the LocalCluster's worker processes (default: one per core)
@@ -384,7 +384,7 @@ def mine_dask(src, # a Parquet dataset (local directory or fsspec URL: s3://…,
     c = client if isinstance(client, distributed.Client) else distributed.Client(cluster or client)
     try:
         run = lambda *xs: c.compute(list(xs), sync=True)
-        sk = _read_dask(dd, src, storage_options, len(c.scheduler_info()['workers']) or 1)
+        sk = _read_dask(dd, sketches, storage_options, len(c.scheduler_info()['workers']) or 1)
         sk, n = _whole_steps(sk, run)
         if n:
             st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
