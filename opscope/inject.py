@@ -21,9 +21,9 @@ __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 
            'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX',
            'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL',
            'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name', 'expert_site', 'site_names',
-           'matmul_sites', 'sample_stride', 'pack', 'sketch', 'refresh_static', 'decompose_attention', 'sketch_groups',
-           'sketch_rows', 'inject_matmul_stats', 'compile_injected', 'gate', 'attn_sketch', 'gate_sketch',
-           'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
+           'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_node', 'refresh_static', 'decompose_attention',
+           'sketch_groups', 'sketch_rows', 'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate',
+           'attn_sketch', 'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -136,7 +136,7 @@ def _arg(node, i, name, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 # %% ../nbs/01_inject.ipynb #f7ca1556-s3
-def _meta_shape(node):
+def meta_shape(node):
     if not isinstance(node, fx.Node): return None
     tm = node.meta.get('tensor_meta')
     if tm is not None and hasattr(tm, 'shape'): return tuple(_hint(d) for d in tm.shape)
@@ -225,7 +225,7 @@ def expert_site(name:str, # the grouped matmul's site name
 # %% ../nbs/01_inject.ipynb #0dd7cfeb-s2
 def _expert_sites(name, op, node, lhs, rhs, extra):
     "One `Site` per expert of a grouped matmul (the expert count from the weight's shape)."
-    ws = extra.get('weight_shape') or _meta_shape(rhs)
+    ws = extra.get('weight_shape') or meta_shape(rhs)
     if ws is None or ws[0] is None: raise InputError(f"cannot tell how many experts {node.format_node()} has: no shape on its weight")
     return [Site(expert_site(name, e), op, node, lhs, rhs, 'expert', dict(extra, expert=e, experts=ws[0])) for e in range(ws[0])]
 
@@ -392,7 +392,7 @@ _sketch_op = torch.ops.opscope.sketch
 SKETCH_KERNELS = 'inductor'  # under torch.compile: 'inductor' traces each sketch (a nested region, once per shape) for Inductor to fuse; 'op' runs it as the opaque `opscope::sketch`
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s13
-def _sketch_node(x, bins):
+def sketch_node(x, bins):
     "The graph's sketch node: the packed sketch, as `opscope::sketch` or (`SKETCH_KERNELS='inductor'`) a nested compile region traced once per tensor shape."
     if torch.compiler.is_compiling() and SKETCH_KERNELS == 'inductor': return _sketch_region(x, bins)
     return _sketch_op(x.detach(), bins) if torch.compiler.is_compiling() else _packed(x, bins)
@@ -642,7 +642,7 @@ def _tap(graph, x, bins, cached=None):
     else:
         if isinstance(x, str):
             with graph.inserting_before(first): x = graph.get_attr(x)
-        with graph.inserting_after(x): flat = graph.call_function(_sketch_node, (x, bins))
+        with graph.inserting_after(x): flat = graph.call_function(sketch_node, (x, bins))
         with graph.inserting_after(flat): sk = graph.call_function(_unpack_node, (flat, x, bins))
     with graph.inserting_after(sk):
         return {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
@@ -813,12 +813,12 @@ def _conv_roles(new, graph, gm, s, by_name):
     tr = s.extra['transposed']
     if isinstance(s.rhs, str): w, wkey = _view_buffer(new, gm.get_parameter(s.rhs), _conv_weight, tr), f'{s.rhs}:gemm'
     else: w, wkey = _after(graph, by_name[s.rhs.name], _conv_weight, tr), f'{s.rhs.name}:gemm'
-    raw = tuple(gm.get_parameter(s.rhs).shape) if isinstance(s.rhs, str) else _meta_shape(s.rhs)
+    raw = tuple(gm.get_parameter(s.rhs).shape) if isinstance(s.rhs, str) else meta_shape(s.rhs)
     s.extra['weight_shape'] = raw
     ws = raw and (raw[1 if tr else 0], math.prod(raw) // raw[1 if tr else 0])
-    return dict(lhs=(f'{s.lhs.name}:cl', _after(graph, by_name[s.lhs.name], _channels_last), None, _cl(_meta_shape(s.lhs))),
+    return dict(lhs=(f'{s.lhs.name}:cl', _after(graph, by_name[s.lhs.name], _channels_last), None, _cl(meta_shape(s.lhs))),
                 rhs=(wkey, w, None, ws), out=(f'{s.node.name}:cl', _after(graph, by_name[s.node.name], _channels_last), None,
-                                             _cl(_meta_shape(s.node))))
+                                             _cl(meta_shape(s.node))))
 
 # %% ../nbs/01_inject.ipynb #f6397633-s5
 def _expert_roles(new, graph, gm, s, by_name):
@@ -827,7 +827,7 @@ def _expert_roles(new, graph, gm, s, by_name):
     p = _param_path(gm, s.rhs)
     if p is not None: w, wkey = _view_buffer(new, gm.get_parameter(p[0]), _expert_weight, e, p[1]), f'{p[0]}[{e}]'
     else: w, wkey = _after(graph, by_name[s.rhs.name], _expert_weight, e, False), f'{s.rhs.name}[{e}]'
-    ws = _meta_shape(s.rhs)
+    ws = meta_shape(s.rhs)
     return dict(lhs=(f'{x.name}:rows{e}', x, keep, (None, ws and ws[1])), rhs=(wkey, w, None, ws and (ws[2], ws[1])),
                 out=(f'{node.name}:rows{e}', node, keep, (None, ws and ws[2])))
 
@@ -848,7 +848,7 @@ def _roles(new, graph, gm, s, by_name):
     if s.kind == 'conv': return _conv_roles(new, graph, gm, s, by_name)
     if s.kind == 'expert': return (_gathered_roles if 'ids' in s.extra else _expert_roles)(new, graph, gm, s, by_name)
     shape = lambda x: (tuple(_get_attr(gm, x if isinstance(x, str) else x.target).shape)
-                       if isinstance(x, str) or x.op == 'get_attr' else _meta_shape(x))
+                       if isinstance(x, str) or x.op == 'get_attr' else meta_shape(x))
     get = lambda x: x if isinstance(x, str) else by_name[x.name]
     return {r: (x if isinstance(x, str) else x.name, get(x), None, shape(x)) for r, x in (('lhs', s.lhs), ('rhs', s.rhs), ('out', s.node))}
 
@@ -974,14 +974,14 @@ def compile_injected(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass 
     return run
 
 # %% ../nbs/01_inject.ipynb #692f085b
-def _same(a, b, tol=None):
+def same_outputs(a, b, tol=None):
     "Bit-identical (NaN == NaN), or within `tol = (rtol, atol)` for floating tensors."
     if isinstance(a, torch.Tensor):
         if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype): return False
         if tol is not None and a.is_floating_point(): return torch.allclose(a, b, *tol, equal_nan=True)
         return bool(((a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else (a == b)).all())
-    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(_same(x, y, tol) for x, y in zip(a, b))
-    if isinstance(a, dict): return a.keys() == b.keys() and all(_same(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(same_outputs(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, dict): return a.keys() == b.keys() and all(same_outputs(a[k], b[k], tol) for k in a)
     return a == b
 
 # %% ../nbs/01_inject.ipynb #692f085b-s1
@@ -993,7 +993,7 @@ def gate(gm:fx.GraphModule, # the un-injected graph
         ref = gm(*inputs, **kwargs)
         got, stats = injected(*inputs, **kwargs)
     n_sdpa = injected.meta.get('opscope_sdpa', 0) - gm.meta.get('opscope_sdpa', 0)
-    if not _same(ref, got, (SDPA_RTOL, SDPA_ATOL) if n_sdpa else None):
+    if not same_outputs(ref, got, (SDPA_RTOL, SDPA_ATOL) if n_sdpa else None):
         raise AssertionError("correctness gate failed: the injected graph's primary output differs from the original "
                              "graph's" + (f" by more than rtol={SDPA_RTOL}, atol={SDPA_ATOL} ({n_sdpa} SDPA call(s) decomposed)"
                                           if n_sdpa else ""))
@@ -1106,7 +1106,7 @@ def _decompose_one(graph, node):
         p = add('fn', _aten._safe_softmax.default, (add('fn', _sdpa_mask, (s, q, a['attn_mask'], a['is_causal'], a['scale'])), -1))
         o = add('fn', torch.matmul, (p, add('fn', _sdpa_kv, (v, q, gqa)) if gqa else v))
     p.meta['opscope_sdpa'] = True   # a safe softmax, as SDPA's own: a row that sees no key is 0, not NaN
-    qs, ks, vs = (_meta_shape(x) for x in (q, k, v))
+    qs, ks, vs = (meta_shape(x) for x in (q, k, v))
     if qs and ks and vs:   # shapes for the manifest, as meta tensors (no data)
         s.meta['val'] = p.meta['val'] = torch.empty(*qs[:-1], ks[-2], device='meta')
         o.meta['val'] = torch.empty(*qs[:-1], vs[-1], device='meta')
@@ -1179,7 +1179,7 @@ def infer_sites(gm:fx.GraphModule, # from `trace`
 # %% ../nbs/01_inject.ipynb #c48633c3
 def _infer_shape(site):
     "The tapped tensor's shape: the probabilities, or the top-k values."
-    sh = _meta_shape(site.node) if site.kind == 'softmax' else _meta_shape(site.src)
+    sh = meta_shape(site.node) if site.kind == 'softmax' else meta_shape(site.src)
     if sh is None or site.kind == 'softmax': return sh
     k = _arg(site.node, 1, 'k', None)
     return tuple(k if i == site.dim % len(sh) else d for i, d in enumerate(sh)) if isinstance(k, int) else None

@@ -16,7 +16,7 @@ from .tables import InputError, MissingError, atomic_write, require_columns, as_
 from .tables import read_sketches, COMMIT_SUFFIX   # the reading half lives in tables (no torch: Dask workers mine with it), re-exported here
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
-from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, _same, attn_sketch, sketch_rows, pack, _sketch_node, _meta_shape
+from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, same_outputs, attn_sketch, sketch_rows, pack, sketch_node, meta_shape
 from .shapes import coverage, coverage_warning
 
 
@@ -184,7 +184,7 @@ TAP_KINDS = ('matmul',) + INFER_KINDS
 MASK_BUFFER = '_opscope_attention_mask'   # the buffer that carries `record(..., attention_mask=)` into a graph with no mask input
 ROW_OPS = {'linear', 'matmul', 'mm', 'addmm'}  # ops whose operand rows can be the tokens of a (batch, tokens) mask
 
-def _inject(gm, taps, bins, mask=None, rows=True):
+def inject_taps(gm, taps, bins, mask=None, rows=True):
     "`gm` with the passes `taps` asks for applied (and `mask`, if given, carried in a buffer; `rows=False`: the mask reaches the attention taps only); a clear error when the model has none of those sites."
     taps = (taps,) if isinstance(taps, str) else tuple(taps)
     bad = [t for t in taps if t not in TAP_KINDS]
@@ -221,7 +221,7 @@ def masked_sketch(x:torch.Tensor, # a tapped tensor whose rows are tokens
                   bins:int=64, # histogram bins
                  )->torch.Tensor:
     "The packed sketch of the real-token rows of `x` only (`sketch_rows`): padded rows add nothing to any statistic and their `row_energy` is NaN."
-    return pack(sketch_rows(x, _row_keep(mask, x), bins)) if _aligned(mask, x) else _sketch_node(x, bins)
+    return pack(sketch_rows(x, _row_keep(mask, x), bins)) if _aligned(mask, x) else sketch_node(x, bins)
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3
 def _placeholder(inj, name): return next((n for n in inj.graph.nodes if n.op == 'placeholder' and n.target == name), None)
@@ -238,10 +238,10 @@ def _mask_node(inj, mask=None):
         shape = tuple(mask.shape)
     else:
         node = _placeholder(inj, 'attention_mask')
-        shape = _meta_shape(node) if node is not None else None
+        shape = meta_shape(node) if node is not None else None
     if shape is None or len(shape) != 2: return None, None
     cache = _placeholder(inj, 'cache_position')
-    cs = _meta_shape(cache) if cache is not None else None
+    cs = meta_shape(cache) if cache is not None else None
     if cs is not None and len(cs) == 1:          # a KV-cache step (`runners.StaticDecoder`): the mask spans the cache
         with g.inserting_after(last): node = g.call_function(_token_mask, (node, cache))
         shape = (shape[0], cs[0])
@@ -265,7 +265,7 @@ def _apply_mask(inj, mask=None, rows=True):
     for n in list(inj.graph.nodes):
         if n.op != 'call_function': continue
         if n.target is attn_sketch and 'queries' not in n.kwargs: n.kwargs = {**n.kwargs, 'queries': node}
-        elif rows and n.target is _sketch_node and n.args[0].op != 'get_attr' and _token_rows(_meta_shape(n.args[0]), uses.get(n.args[0].name), *shape):
+        elif rows and n.target is sketch_node and n.args[0].op != 'get_attr' and _token_rows(meta_shape(n.args[0]), uses.get(n.args[0].name), *shape):
             n.target, n.args = masked_sketch, (n.args[0], node, *n.args[1:])
     inj.meta['opscope_masked'] = sum(n.target is masked_sketch for n in inj.graph.nodes)
     inj.graph.lint(); inj.recompile()
@@ -310,7 +310,7 @@ def eager_gate(reference, # () -> the eager model's output on the step's inputs
         got, stats = injected()
     a, b = _first_float(ref), _first_float(got)
     tol = gate_tolerance(a.dtype if a is not None else torch.float32) if decomposed else None
-    if not _same(ref, got, tol):
+    if not same_outputs(ref, got, tol):
         diff = f" (max |difference| {(a.float() - b.float()).abs().max().item():.3g})" if a is not None and b is not None and a.shape == b.shape else ""
         raise AssertionError(
             f"correctness gate failed at step {step}: the traced graph does not reproduce the eager model{diff}"
@@ -375,7 +375,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
     if mask is not None: mask = mask.to(_device(args, kwargs))      # the mask buffer lives with the inputs
     gm = trace(model, *args, **kwargs)
     if 'matmul' in ((taps,) if isinstance(taps, str) else tuple(taps)): _warn_coverage(gm, args, kwargs)
-    inj = _inject(gm, taps, bins, mask)
+    inj = inject_taps(gm, taps, bins, mask)
     run = compile_injected(inj) if compile else inj
     own = not isinstance(sink, Recorder) and sink is not None
     rec = Recorder(sink) if own else sink

@@ -11,13 +11,15 @@ import pandas as pd
 import torch
 import torch.nn as nn
 from .inject import trace
-from .recorder import Recorder, TAP_KINDS, decode_stats, eager_gate, record, _inject
+from .recorder import Recorder, TAP_KINDS, decode_stats, eager_gate, record, inject_taps
 from .shapes import coverage, coverage_warning, tapped_share
 from .tables import InputError
+from .zoo import DECODERS, tiny_decoder   # the decoders live in the one model registry (`zoo.MODELS`), re-exported here
+
 
 # %% auto #0
-__all__ = ['DECODERS', 'StaticDecoder', 'static_cache', 'decode_positions', 'record_generate', 'tiny_decoder', 'load_factory',
-           'load_hf', 'read_prompts', 'record_hf', 'coverage']
+__all__ = ['StaticDecoder', 'static_cache', 'decode_positions', 'record_generate', 'load_factory', 'load_hf', 'read_prompts',
+           'record_hf', 'coverage']
 
 # %% ../nbs/02b_runners.ipynb #a588b4aa
 _all_ = ['coverage']   # DESIGN lists coverage with the runners; it lives in shapes, which counts the FLOPs
@@ -131,7 +133,7 @@ def _step_graph(run, args, taps, bins):
         gm = trace(run, *args, how='export')
         msg = coverage_warning(coverage(gm, *head, [k.clone() for k in keys], [v.clone() for v in values])) if 'matmul' in taps else None
     if msg: warnings.warn(msg)
-    return _inject(gm, taps, bins, rows=_padded(args))
+    return inject_taps(gm, taps, bins, rows=_padded(args))
 
 # %% ../nbs/02b_runners.ipynb #d1e617f0-s1
 def _padded(args):
@@ -145,26 +147,6 @@ def _gated(run, inj, args, step):
     *head, keys, values = args
     ref = (*head, [k.clone() for k in keys], [v.clone() for v in values])
     return eager_gate(lambda: run(*ref), lambda: inj(*args), inj.meta.get('opscope_sdpa', 0), step)
-
-# %% ../nbs/02b_runners.ipynb #683c0ed0
-DECODERS = ('gpt2', 'llama', 'mixtral', 'qwen2_moe')
-
-def tiny_decoder(arch:str, # one of `DECODERS`
-                 hidden:int=32, layers:int=2, vocab:int=128, experts:int=4, top_k:int=2, seed:int=0)->nn.Module:
-    "A small Hugging Face causal LM of architecture `arch` with random weights, in eval mode."
-    import transformers as tf     # optional heavy dependency
-    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    moe = dict(num_experts_per_tok=top_k)
-    cfgs = {'gpt2': lambda: tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, vocab_size=vocab, n_positions=128,
-                                          bos_token_id=0, eos_token_id=1, pad_token_id=0),
-            'llama': lambda: tf.LlamaConfig(**common),
-            'mixtral': lambda: tf.MixtralConfig(**common, **moe, num_local_experts=experts),
-            'qwen2_moe': lambda: tf.Qwen2MoeConfig(**common, **moe, num_experts=experts, moe_intermediate_size=hidden,
-                                                   shared_expert_intermediate_size=2 * hidden)}
-    if arch not in cfgs: raise InputError(f"unknown decoder {arch!r}; choose one of {', '.join(DECODERS)}")
-    torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(cfgs[arch]()).eval()
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731
 def load_factory(spec:str, # 'FILE.py:FACTORY'

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from .tables import InputError
 
 # %% auto #0
-__all__ = ['DISTS', 'OUTLIER_SCALE', 'LOWRANK_RANK', 'HEAVYTAIL_NU', 'MNIST_ROOT', 'SENTENCES', 'TOOLS', 'MODELS', 'INFER_MODELS',
-           'outlier_channels', 'make_tensor', 'describe_dists', 'Gemm', 'gemm', 'MLP', 'mlp', 'Attention', 'FFN',
-           'Block', 'Transformer', 'transformer', 'MoELayer', 'MoE', 'moe', 'PlantedAttention', 'planted_attention',
-           'MnistMLP', 'mnist_mlp', 'example_input', 'stepped_sequence', 'seq_model', 'load_mnist', 'mnist_batches',
-           'minilm_path', 'load_minilm', 'ZooModel', 'model_names', 'get_model', 'infer_workload']
+__all__ = ['DISTS', 'OUTLIER_SCALE', 'LOWRANK_RANK', 'HEAVYTAIL_NU', 'MNIST_ROOT', 'SENTENCES', 'TOOLS', 'DECODERS', 'MODELS',
+           'INFER_MODELS', 'outlier_channels', 'make_tensor', 'describe_dists', 'Gemm', 'gemm', 'MLP', 'mlp',
+           'Attention', 'FFN', 'Block', 'Transformer', 'transformer', 'MoELayer', 'MoE', 'moe', 'PlantedAttention',
+           'planted_attention', 'MnistMLP', 'mnist_mlp', 'example_input', 'stepped_sequence', 'seq_model', 'load_mnist',
+           'mnist_batches', 'minilm_path', 'load_minilm', 'ZooModel', 'tiny_decoder', 'model_names', 'get_model',
+           'infer_workload']
 
 # %% ../nbs/00_zoo.ipynb #c48519ee
 DISTS = ('gaussian', 'uniform', 'relu', 'sparse90', 'outlier', 'heavytail', 'lowrank')
@@ -362,7 +363,7 @@ SENTENCES = [
 ]
 
 # %% ../nbs/00_zoo.ipynb #015838da
-TOOLS = ('shapes', 'probe', 'infer', 'flow', 'scale')   # the tools that take a model by name
+TOOLS = ('shapes', 'probe', 'infer', 'flow', 'scale', 'generate')   # the tools that take a model by name
 
 @dataclass(frozen=True)
 class ZooModel:
@@ -395,6 +396,33 @@ def _minilm_batches(m, steps, seed):
 def _minilm_example(m, batch):
     raise NotImplementedError("MiniLM takes tokenized text (keyword inputs): use its `batches`")
 
+# %% ../nbs/00_zoo.ipynb #5d1ec0de
+DECODERS = ('gpt2', 'llama', 'mixtral', 'qwen2_moe')   # Hugging Face architectures built from small configs (`runners`' decode loop)
+
+def tiny_decoder(arch:str, # one of `DECODERS`
+                 hidden:int=32, layers:int=2, vocab:int=128, experts:int=4, top_k:int=2, seed:int=0)->nn.Module:
+    "A small Hugging Face causal LM of architecture `arch` with random weights, in eval mode."
+    import transformers as tf     # optional heavy dependency
+    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    moe = dict(num_experts_per_tok=top_k)
+    cfgs = {'gpt2': lambda: tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, vocab_size=vocab, n_positions=128,
+                                          bos_token_id=0, eos_token_id=1, pad_token_id=0),
+            'llama': lambda: tf.LlamaConfig(**common),
+            'mixtral': lambda: tf.MixtralConfig(**common, **moe, num_local_experts=experts),
+            'qwen2_moe': lambda: tf.Qwen2MoeConfig(**common, **moe, num_experts=experts, moe_intermediate_size=hidden,
+                                                   shared_expert_intermediate_size=2 * hidden)}
+    if arch not in cfgs: raise InputError(f"unknown decoder {arch!r}; choose one of {', '.join(DECODERS)}")
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(cfgs[arch]()).eval()
+
+def _token_example(m, batch, seed=0):
+    "A (batch, 8) prompt of token ids for a decoder, seeded."
+    return torch.randint(2, m.config.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(seed))
+
+def _token_batches(m, steps, seed): return [_token_example(m, 2, seed + s) for s in range(steps)]
+
+
 # %% ../nbs/00_zoo.ipynb #8200f0e5
 MODELS = {e.name: e for e in [
     ZooModel('mlp', lambda layers=None: mlp() if layers is None else mlp(layers + 1), _zoo_example, _zoo_batches,
@@ -410,7 +438,8 @@ MODELS = {e.name: e for e in [
              'seq', ('scale',)),
     ZooModel('minilm', lambda layers=None: load_minilm()[0], _minilm_example, _minilm_batches, 'SENTENCES',
              ('probe', 'infer'), real=True),
-]}
+] + [ZooModel(a, lambda layers=None, a=a: tiny_decoder(a) if layers is None else tiny_decoder(a, layers=layers),
+                _token_example, _token_batches, 'tokens', ('generate',)) for a in DECODERS]}
 
 # %% ../nbs/00_zoo.ipynb #d752ab27
 def model_names(tool:str=None, # one of `TOOLS` (None: every registered model)

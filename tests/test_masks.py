@@ -172,8 +172,8 @@ def test_bf16_decomposed_sdpa_passes_the_gate():
     m = _Attn().eval().to(torch.bfloat16)
     xs = [torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (37, 38, 39)]
     gm = trace(m, xs[0])
-    from opscope.recorder import _inject
-    inj = _inject(gm, ('matmul', 'softmax', 'topk'), 64)
+    from opscope.recorder import inject_taps
+    inj = inject_taps(gm, ('matmul', 'softmax', 'topk'), 64)
     with torch.no_grad(): diff = (inj(xs[0])[0].float() - m(xs[0]).float()).abs().max().item()
     assert diff > SDPA_ATOL                                              # the old fixed tolerance would refuse it
     assert record(m, xs, gate_every=True).step.nunique() == 3
