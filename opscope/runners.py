@@ -18,8 +18,8 @@ from .zoo import DECODERS, tiny_decoder   # the decoders live in the one model r
 
 
 # %% auto #0
-__all__ = ['StaticDecoder', 'static_cache', 'decode_positions', 'record_generate', 'load_factory', 'load_hf', 'read_prompts',
-           'record_hf', 'coverage']
+__all__ = ['StaticDecoder', 'static_cache', 'decode_positions', 'decoder_coverage', 'record_generate', 'load_factory', 'load_hf',
+           'read_prompts', 'record_hf', 'coverage']
 
 # %% ../nbs/02b_runners.ipynb #a588b4aa
 _all_ = ['coverage']   # DESIGN lists coverage with the runners; it lives in shapes, which counts the FLOPs
@@ -79,6 +79,14 @@ def _unwrapped(stats:dict)->dict:
     "Stats keyed by the decoder's own site names: `StaticDecoder` holds it as `.model`, which the traced graph prefixes."
     return {k.removeprefix('model.'): v for k, v in stats.items()}
 
+def decoder_coverage(gm, # a traced `StaticDecoder` step (`inject.trace`)
+                     *inputs, # its inputs
+                    )->pd.DataFrame:
+    "`shapes.coverage` of a traced `StaticDecoder` step, its sites named as the decoder's own (as `record_generate` records them)."
+    c = coverage(gm, *inputs)
+    return c.assign(site=c.site.str.removeprefix('model.'))
+
+
 # %% ../nbs/02b_runners.ipynb #566fc1a5-s1
 def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval mode
                     input_ids:torch.Tensor, # (batch, prompt) token ids, left-padded
@@ -131,7 +139,7 @@ def _step_graph(run, args, taps, bins):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')      # export's notes on specialized dims and lifted constants
         gm = trace(run, *args, how='export')
-        msg = coverage_warning(coverage(gm, *head, [k.clone() for k in keys], [v.clone() for v in values])) if 'matmul' in taps else None
+        msg = coverage_warning(decoder_coverage(gm, *head, [k.clone() for k in keys], [v.clone() for v in values])) if 'matmul' in taps else None
     if msg: warnings.warn(msg)
     return inject_taps(gm, taps, bins, rows=_padded(args))
 
