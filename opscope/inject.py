@@ -315,8 +315,13 @@ def sample_stride(n, C):
     "The element stride at which the histogram and `nearzero` read about `HIST_SAMPLE` of the `n` values of a (rows × `C`) tensor: coprime with `C`, so every channel and every row is read (a stride sharing a factor with `C` reads only some channels)."
     s = torch.sym_max(n // HIST_SAMPLE, 1)
     if not (isinstance(s, int) and isinstance(C, int)): return s   # symbolic shapes: the plain stride
-    while math.gcd(s, C) != 1: s += 1
+    while _gcd(s, C) != 1: s += 1
     return s
+
+def _gcd(a:int, b:int)->int:
+    "Euclid's gcd in plain int arithmetic, which a compiler tracing the sketch folds to a constant (`math.gcd` it cannot trace)."
+    while b: a, b = b, a % b
+    return a
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s5
 def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
