@@ -304,7 +304,8 @@ def _record_zoo(cmd, name, what, n, lo, hi, why, seed, out, force):
     with cli_errors(cmd):
         in_range(what, n, lo, hi, why)
         in_range('--seed', seed, 0, SEED_MAX)
-        record_to(out, lambda: get_model(name).workload(n, seed), name, get_model(name).dist, cmd, force)
+        zm = get_model(name)
+        record_to(out, lambda: zm.workload(n, seed), name, zm.dist, cmd, force)
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c-s2
 @call_parse

@@ -124,7 +124,6 @@ def synthesize_guard(exploit:str, # a registered exploit with a guard ('dead-cha
 GUARD_STAT = {n: e.guard_stat for n, e in REGISTRY.items() if e.guard is not None}   # the built-in guarded exploits (a view of REGISTRY)
 
 # %% ../nbs/07_plan.ipynb #9a8cd0f7
-import warnings
 def make_kernel(exploit:str, # a registered exploit with a kernel
                 w:torch.Tensor, # the weight, N × K
                 b:torch.Tensor=None, # the bias (N,) or None
