@@ -42,7 +42,7 @@ def _scalar_features(df):
 # %% ../nbs/03_miner.ipynb #9c1aec79-s1
 def _hist_features(df):
     h = df[df.stat == 'hist']
-    if h.empty: return pd.DataFrame(columns=['kurtosis_all'])
+    if h.empty: return pd.DataFrame({'kurtosis_all': []}, index=pd.MultiIndex.from_arrays([[]] * len(KEYS), names=KEYS))   # keyed like the others: no tap loses its keys
     bins = h.groupby(KEYS + ['step'], observed=True).idx.transform('max') + 1
     c = (h.idx + 0.5) / bins * 2 - 1
     w = h.value.clip(lower=0)
@@ -93,6 +93,7 @@ def tap_features(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
                 )->pd.DataFrame:
     "One row per tap (run_id, dist, site, role) with the features the rules read, pooled over steps."
     f = pd.concat([_scalar_features(sketches), _hist_features(sketches), _row_features(sketches), _chan_features(sketches)], axis=1)
+    f.index.names = KEYS
     return derived_features(f, sketches.groupby(KEYS, observed=True).step.nunique())
 
 FEATURES = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel',

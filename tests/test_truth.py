@@ -291,3 +291,16 @@ def test_deep_dump_states_no_dimension_and_the_probe_confirms_only_low_rank():
     assert (lr.idx >= lr.erank / 3).all() and (lr.value >= lr.erank / 3).all()
     assert not {'row-heavy', 'row-sparse', f'gaussian-{M}x{K}x{N}'} & set(lr.run_id)
     assert len(f1.attrs['retracted']) == len(pointers) - len(lr)
+
+
+@pytest.mark.parametrize('missing', [('hist',), ('hist', 'row_energy'), ('hist', 'row_energy', 'chan_absmax', 'chan_density')])
+def test_taps_missing_stats_keep_their_keys(missing):
+    "A table without some statistics (an older writer, a filtered file) mines with every finding keyed by its tap, in both engines."
+    sk = record(_model(), _batches(seed=300, n=2), run_id='partial')
+    one = sk[(sk.site == sk.site.iloc[0]) & (sk.role == 'lhs')]
+    for table in (one, sk):
+        part = table[~table.stat.isin(missing)]
+        f = mine(part)
+        assert len(f) and not f[['run_id', 'dist', 'site', 'role']].isna().any().any(), f
+        assert set(f.site) <= set(part.site)
+        assert same_findings(f, mine_duckdb(part))
