@@ -19,11 +19,12 @@ from .tables import InputError
 # %% auto #0
 __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
            'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX',
-           'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'INFER_KINDS', 'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL',
-           'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name', 'expert_site', 'site_names',
-           'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_node', 'refresh_static', 'decompose_attention',
-           'sketch_groups', 'sketch_rows', 'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate',
-           'attn_sketch', 'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
+           'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'ROUTED_ROWS', 'SORT_TARGETS', 'INFER_KINDS', 'ATTN_STATS',
+           'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name',
+           'expert_site', 'site_names', 'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_node',
+           'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows', 'sketch_kept',
+           'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'attn_sketch', 'gate_sketch',
+           'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -734,6 +735,44 @@ def sketch_rows(x:torch.Tensor, # any tensor; viewed as rows × channels (last d
     C = _channels(x)
     return tuple(t[0] for t in sketch_groups(x, (~keep.reshape(-1)).long(), 1, bins, sample_stride(x.numel(), C)))
 
+# %% ../nbs/01_inject.ipynb #768df1ee-k0
+def sketch_kept(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
+                keep:torch.Tensor, # bool, broadcastable to `x`: the elements that are data
+                bins:int=64, # histogram bins over [-1, 1] of x / absmax
+               )->tuple:
+    "The sketch (order of `STATS`) of the elements of `x` where `keep` is true (all kept: `sketch`'s statistics); a row or channel with none kept has NaN `row_energy` / channel stats."
+    x2, T = _as_rows(x.detach())
+    R, C = x2.shape
+    k = keep.expand(x.shape).reshape(R, C)
+    dt = x2.dtype
+    fin = torch.isfinite(x2)
+    clean = torch.where(fin & k, x2, 0.0)
+    kf = k.to(dt)
+    per_chan, per_row = kf.sum(0), kf.sum(-1)
+    n = per_chan.sum()
+    nan, inf = (torch.isnan(x2) & k).sum().to(dt), (torch.isinf(x2) & k).sum().to(dt)
+    cmax = torch.where(k, clean, float('-inf')).amax(0).masked_fill(per_chan == 0, float('nan'))
+    cmin = torch.where(k, clean, float('inf')).amin(0).masked_fill(per_chan == 0, float('nan'))
+    chan_absmax = torch.maximum(cmax, -cmin)
+    absmax = chan_absmax.nan_to_num(float('-inf')).amax()
+    absmax = torch.where(n > 0, absmax, float('nan'))
+    nz = (clean != 0).to(dt).sum(0)
+    energy = torch.linalg.vector_norm(clean, dim=-1)
+    mean, ms = clean.sum() / n, energy.square().sum() / n
+    r3, e3, live = clean.reshape(-1, T, C), energy.reshape(-1, T), (per_row > 0).reshape(-1, T)
+    cos = (r3[:, 1:] * r3[:, :-1]).sum(-1) / (e3[:, 1:] * e3[:, :-1]).clamp_min(1e-30)
+    pair = (live[:, 1:] & live[:, :-1]).to(dt)                   # adjacent rows that both hold data
+    stride = sample_stride(R * C, C)
+    vs, ks = clean.reshape(-1)[::stride], kf.reshape(-1)[::stride]
+    a = absmax.nan_to_num(0.0)
+    b = ((vs / (a + 1e-12) + 1) * (bins / 2)).long().clamp_(0, bins - 1)
+    hist = torch.zeros(bins, dtype=dt, device=x2.device).scatter_add_(0, b, ks)
+    nearzero = ((vs.abs() <= NEARZERO_REL * a).to(dt) * ks).sum() / ks.sum()
+    return (n, cmin.nan_to_num(float('inf')).amin().where(n > 0, float('nan')), cmax.nan_to_num(float('-inf')).amax().where(n > 0, float('nan')),
+            mean, (ms - mean * mean).clamp_min(0).sqrt(), absmax, ms.sqrt(), nz.sum() / n, nearzero, nan, inf,
+            (cos * pair).sum() / pair.sum(), chan_absmax, nz / per_chan, torch.where(per_row > 0, energy, float('nan')), hist)
+
+
 # %% ../nbs/01_inject.ipynb #c41aa0d9
 def _channels_last(x):
     "A conv activation (batch, channels, *spatial) as (batch, *spatial, channels): rows are positions, channels last."
@@ -825,10 +864,41 @@ def _conv_roles(new, graph, gm, s, by_name):
                 rhs=(wkey, w, None, ws), out=(f'{s.node.name}:cl', _after(graph, by_name[s.node.name], _channels_last), None,
                                              _cl(meta_shape(s.node))))
 
+# %% ../nbs/01_inject.ipynb #f6397633-r0
+ROUTED_ROWS = 'opscope_routed'   # meta key on an expert tap's group-id node: how its rows map to the tokens the router saw
+SORT_TARGETS = (torch.sort, _aten.sort.default, _aten.sort.stable)
+
+def _walk(n, ok, hops=6):
+    "The first node at most `hops` steps up `n`'s first-argument chain for which `ok` holds, else None."
+    for _ in range(hops):
+        if not isinstance(n, fx.Node) or n.op not in ('call_function', 'call_method'): return None
+        if ok(n): return n
+        n = n.args[0] if n.args else None
+    return None
+
+def _sort_perm(offs):
+    "The indices of the `sort` that put a grouped matmul's rows in expert order (transformers' `grouped_mm` experts: `offs` counts the sorted expert ids), else None."
+    is_sort = lambda n: n.op == 'call_function' and n.target in SORT_TARGETS or n.op == 'call_method' and n.target == 'sort'
+    vals = _walk(offs, lambda n: n.target is operator.getitem and n.args[1] == 0 and isinstance(n.args[0], fx.Node) and is_sort(n.args[0]))
+    if vals is None: return None
+    return next((u for u in vals.args[0].users if u.target is operator.getitem and u.args[1] == 1), None)
+
+def _topk_indices(ids):
+    "Whether `ids` is a top-k's indices flattened (rows in token-major order: token i's k choices are rows i·k … i·k + k − 1)."
+    is_topk = lambda n: n.op == 'call_function' and n.target in (torch.topk, _aten.topk.default) or n.target == 'topk'
+    return _walk(ids, lambda n: n.target is operator.getitem and n.args[1] == 1 and isinstance(n.args[0], fx.Node)
+                 and is_topk(n.args[0]), hops=4) is not None
+
+def _mark_routed(gid, order, perm=None):
+    "Say on the group-id node how its rows map to tokens: ('sorted', the sort's indices node name) or ('token_major', None)."
+    if order == 'token_major' or perm is not None: gid.meta[ROUTED_ROWS] = (order, perm.name if perm is not None else None)
+
+
 # %% ../nbs/01_inject.ipynb #f6397633-s5
 def _expert_roles(new, graph, gm, s, by_name):
     e, node, x = s.extra['expert'], by_name[s.node.name], by_name[s.lhs.name]
     keep = (_group_node(graph, by_name, node, _group_ids, (by_name[s.extra['offs'].name], x)), s.extra['experts'], e)
+    _mark_routed(keep[0], 'sorted', _sort_perm(by_name[s.extra['offs'].name]))
     p = _param_path(gm, s.rhs)
     if p is not None: w, wkey = _view_buffer(new, gm.get_parameter(p[0]), _expert_weight, e, p[1]), f'{p[0]}[{e}]'
     else: w, wkey = _after(graph, by_name[s.rhs.name], _expert_weight, e, False), f'{s.rhs.name}[{e}]'
@@ -840,6 +910,7 @@ def _expert_roles(new, graph, gm, s, by_name):
 def _gathered_roles(new, graph, gm, s, by_name):
     e, node, ws, out_in = s.extra['expert'], by_name[s.node.name], s.extra['weight_shape'], s.extra['stored_out_in']
     keep = (_group_node(graph, by_name, node, _id_groups, (by_name[s.extra['ids'].name],)), s.extra['experts'], e)
+    if _topk_indices(by_name[s.extra['ids'].name]): _mark_routed(keep[0], 'token_major')
     x = _after(graph, by_name[s.lhs.name], _flat_rows)
     y = _after(graph, node, _flat_rows)
     w = _view_buffer(new, gm.get_parameter(s.rhs), _expert_weight, e, out_in)

@@ -17,12 +17,13 @@ from .tables import read_sketches, COMMIT_SUFFIX   # the reading half lives in t
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
 from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, same_outputs, attn_sketch, sketch_rows, pack, sketch_node, meta_shape
+from .inject import sketch_kept, sketch_groups, ROUTED_ROWS   # the masked sketches: key columns, routed expert rows
 from .shapes import coverage, coverage_warning
 
 
 # %% auto #0
-__all__ = ['GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'masked_sketch', 'gate_tolerance', 'eager_gate',
-           'Recorded', 'record', 'sweep']
+__all__ = ['GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'masked_sketch', 'keys_sketch', 'routed_groups',
+           'gate_tolerance', 'eager_gate', 'Recorded', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -202,6 +203,11 @@ def _token_mask(mask, cache_position=None):
     "This call's (batch, tokens) mask: `mask` itself, or its columns at `cache_position` (a KV-cache step, whose mask spans the cache)."
     return mask if cache_position is None else mask.index_select(1, cache_position)
 
+def _key_mask(mask, cache_position=None):
+    "The (batch, keys) mask of the keys this call attends over, True at data: `mask`'s real tokens, and in a KV-cache step (keys = the cache's slots) only the slots written so far."
+    m = mask != 0
+    return m if cache_position is None else m & (torch.arange(m.shape[1], device=m.device) <= cache_position[-1])
+
 # %% ../nbs/02_recorder.ipynb #a5c1e0b1-s1
 def _row_keep(mask, x):
     "True per row of `x` (viewed as rows × channels) whose token is real: `x` is (batch, tokens, C), (batch, heads, tokens, C) or (batch·tokens, C)."
@@ -223,12 +229,42 @@ def masked_sketch(x:torch.Tensor, # a tapped tensor whose rows are tokens
     "The packed sketch of the real-token rows of `x` only (`sketch_rows`): padded rows add nothing to any statistic and their `row_energy` is NaN."
     return pack(sketch_rows(x, _row_keep(mask, x), bins)) if _aligned(mask, x) else sketch_node(x, bins)
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b1-s4
+def keys_sketch(x:torch.Tensor, # an attention product's operand whose last dim is the keys (Kᵀ, the scores, the probabilities), or with `rows` its rows (V)
+                keys:torch.Tensor, # (batch, keys), True at the keys that are data (`_key_mask`)
+                queries:torch.Tensor=None, # optional (batch, queries), 0 at padded query rows (x's rows are then the queries)
+                bins:int=64, # histogram bins
+                rows:bool=False, # the keys are x's rows, not its columns (V)
+               )->torch.Tensor:
+    "The packed sketch of `x` over its real keys' columns (or, with `rows`, rows) only, and its real queries' rows given `queries`: padded keys and unwritten cache slots add nothing (`sketch_kept`)."
+    B, S = keys.shape
+    if not (x.dim() >= 3 and x.shape[0] == B and x.shape[-2 if rows else -1] == S): return sketch_node(x, bins)   # not this mask's keys
+    keep = keys.reshape(B, *([1] * (x.dim() - 3)), S, 1) if rows else keys.reshape(B, *([1] * (x.dim() - 2)), S)
+    if queries is not None and x.shape[-2] == queries.shape[1]:
+        keep = keep & (queries != 0).reshape(B, *([1] * (x.dim() - 3)), queries.shape[1], 1)
+    return pack(sketch_kept(x, keep, bins))
+
+
+# %% ../nbs/02_recorder.ipynb #a5c1e0b1-s5
+def routed_groups(group:torch.Tensor, # an expert tap's group id per routed row (`inject.sketch_groups`' `group`)
+                  groups:int, # the experts: a row whose group is this is dropped
+                  mask:torch.Tensor, # (batch, tokens), 0 at padded tokens: the tokens the router saw, flattened
+                  perm:torch.Tensor=None, # rows sorted by expert (`grouped_mm`): the sort's indices; None: token-major rows (`batched_mm`)
+                 )->torch.Tensor:
+    "`group` with the rows of padded tokens dropped: row i is token `perm[i] // k` (or `i // k`, token-major), k = rows per token."
+    m = (mask != 0).reshape(-1)
+    S, n = group.shape[0], m.shape[0]
+    if S % n: return group                                 # not this mask's tokens
+    src = perm if perm is not None else torch.arange(S, device=group.device)
+    return torch.where(m[src // (S // n)], group, groups)
+
+
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3
 def _placeholder(inj, name): return next((n for n in inj.graph.nodes if n.op == 'placeholder' and n.target == name), None)
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s1
 def _mask_node(inj, mask=None):
-    "The node holding this call's (batch, tokens) mask and that shape: a buffer with `mask` (given to `record`), else the graph's 2-D `attention_mask` input; (None, None) without one."
+    "The nodes holding this call's (batch, tokens) mask, its shape, and the (batch, keys) key mask (`_key_mask`): from a buffer with `mask` (given to `record`), else the graph's 2-D `attention_mask` input; Nones without one."
     g = inj.graph
     last = [n for n in g.nodes if n.op == 'placeholder'][-1]   # new nodes go after every input
     if mask is not None:
@@ -239,13 +275,15 @@ def _mask_node(inj, mask=None):
     else:
         node = _placeholder(inj, 'attention_mask')
         shape = meta_shape(node) if node is not None else None
-    if shape is None or len(shape) != 2: return None, None
+    if shape is None or len(shape) != 2: return None, None, None
     cache = _placeholder(inj, 'cache_position')
     cs = meta_shape(cache) if cache is not None else None
-    if cs is not None and len(cs) == 1:          # a KV-cache step (`runners.StaticDecoder`): the mask spans the cache
-        with g.inserting_after(last): node = g.call_function(_token_mask, (node, cache))
-        shape = (shape[0], cs[0])
-    return node, shape
+    if cs is None or len(cs) != 1:
+        with g.inserting_after(last): return node, shape, g.call_function(_key_mask, (node,))
+    with g.inserting_after(last):                # a KV-cache step (`runners.StaticDecoder`): the mask spans the cache
+        keys = g.call_function(_key_mask, (node, cache))
+        node = g.call_function(_token_mask, (node, cache))
+    return node, (shape[0], cs[0]), keys
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s2
 def _token_rows(shape, uses, B, T):
@@ -254,20 +292,62 @@ def _token_rows(shape, uses, B, T):
     if any(r not in ('lhs', 'out') or op not in ROW_OPS for r, op in uses): return False   # a weight, a key or value operand: not the queries
     return shape[0] == B * T if len(shape) == 2 else shape[0] == B and shape[-2] == T
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3-s6
+def _up(n, ok, hops):
+    "The first node at most `hops` steps up `n`'s first-argument chain for which `ok` holds, else None."
+    for _ in range(hops):
+        if not isinstance(n, fx.Node): return None
+        if ok(n): return n
+        n = n.args[0] if n.op in ('call_function', 'call_method') and n.args else None
+    return None
+
+def _attention_operands(inj):
+    "Tensor names of the attention products' operands, by where their keys are: columns (Kᵀ), rows (V), both queries × keys (the scores, P)."
+    try: probs = {p.node.name: p for p in infer_sites(inj, ('softmax',))}   # routers excluded
+    except InputError: return set(), set(), set()
+    sites = [s for s in matmul_sites(inj) if s.kind == 'matmul' and isinstance(s.rhs, fx.Node) and isinstance(s.lhs, fx.Node)]
+    outs = {s.node.name: s for s in sites}
+    cols, rows, both = set(), set(), set()
+    for p in probs.values():                   # Q·Kᵀ: its product, a few score ops (scale, mask) above the softmax
+        qk = _up(p.src, lambda n: n.name in outs, 5)
+        if qk is not None: both.add(qk.name); cols.add(outs[qk.name].rhs.name)
+    for s in sites:                            # P·V: its lhs is the probabilities (maybe cast)
+        if _up(s.lhs, lambda n: n.name in probs, 3) is not None: both.add(s.lhs.name); rows.add(s.rhs.name)
+    return cols, rows, both
+
+
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3-s7
+def _routed_node(inj, made, gid, groups, mask):
+    "One `routed_groups` node per expert group-id node `gid` (cached in `made`), right after it."
+    if gid.name not in made:
+        _, perm = gid.meta[ROUTED_ROWS]
+        perm = next(n for n in inj.graph.nodes if n.name == perm) if perm is not None else None
+        with inj.graph.inserting_after(gid): made[gid.name] = inj.graph.call_function(routed_groups, (gid, groups, mask, perm))
+    return made[gid.name]
+
+
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s3
 def _apply_mask(inj, mask=None, rows=True):
-    "Hand the (batch, tokens) mask to the taps: attention taps leave padded query rows out, matmul taps whose rows are tokens (if `rows`) sketch the real tokens only."
-    node, shape = _mask_node(inj, mask)
+    "Hand the mask to the taps: attention taps leave padded query rows out, the attention products' key operands their padded keys and unwritten cache slots, and (if `rows`) matmul taps whose rows are tokens and expert taps their padded tokens' rows."
+    node, shape, keys = _mask_node(inj, mask)
     if node is None: return inj
     man = getattr(inj, 'manifest', None)
     man = man[man.role.isin(['lhs', 'rhs', 'out'])] if man is not None else []   # the matmul taps (an attention tap reads the mask itself)
     uses = {t: set(zip(d.role, d.op)) for t, d in man.groupby('tensor')} if len(man) else {}
+    cols, vals, both = _attention_operands(inj)
+    routed = {}
     for n in list(inj.graph.nodes):
         if n.op != 'call_function': continue
+        x = n.args[0] if n.args else None
         if n.target is attn_sketch and 'queries' not in n.kwargs: n.kwargs = {**n.kwargs, 'queries': node}
-        elif rows and n.target is sketch_node and n.args[0].op != 'get_attr' and _token_rows(meta_shape(n.args[0]), uses.get(n.args[0].name), *shape):
-            n.target, n.args = masked_sketch, (n.args[0], node, *n.args[1:])
-    inj.meta['opscope_masked'] = sum(n.target is masked_sketch for n in inj.graph.nodes)
+        elif n.target is sketch_node and x.op != 'get_attr' and x.name in vals: n.target, n.args = keys_sketch, (x, keys, None, *n.args[1:], True)
+        elif n.target is sketch_node and x.op != 'get_attr' and x.name in cols | both:
+            n.target, n.args = keys_sketch, (x, keys, node if rows and x.name in both else None, *n.args[1:])
+        elif rows and n.target is sketch_node and x.op != 'get_attr' and _token_rows(meta_shape(x), uses.get(x.name), *shape):
+            n.target, n.args = masked_sketch, (x, node, *n.args[1:])
+        elif rows and n.target is sketch_groups and ROUTED_ROWS in n.args[1].meta:
+            n.args = (x, _routed_node(inj, routed, n.args[1], n.args[2], node), *n.args[2:])
+    inj.meta['opscope_masked'] = sum(n.target in (masked_sketch, keys_sketch) for n in inj.graph.nodes) + len(routed)
     inj.graph.lint(); inj.recompile()
     return inj
 

@@ -211,3 +211,164 @@ def test_plan_skips_convolutions_and_experts_with_a_reason():
     assert all('routed' in s['reason'] for s in pe.attrs['skipped'])
     text = format_plan(pe)
     assert text.startswith('nothing to plan') and 'skipped grouped_mm.expert0 (' in text
+
+
+# --- masks -> the experts' routed rows and the attention products' key operands ---------------------------------------
+
+class _Named(nn.Module):
+    "A decoder whose mask input is not named `attention_mask`: recorded plain, or masked through `record(..., attention_mask=)`."
+    def __init__(self, m): super().__init__(); self.m = m
+    def forward(self, ids, am): return self.m(input_ids=ids, attention_mask=am, use_cache=False).logits
+
+
+def _left_padded(vocab, seed, B=2, T=6, pad=3):
+    ids = torch.randint(2, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+    am = torch.ones_like(ids); am[0, :pad] = 0
+    return ids, am
+
+
+def _capture(m, names):
+    "Forward hooks keeping the real (not fake) inputs/outputs of the named modules at every eager call."
+    from torch._subclasses.fake_tensor import is_fake
+    got, hs = {n: [] for n in names}, []
+    for n in names:
+        def f(mod, i, o, n=n):
+            t = o if isinstance(o, torch.Tensor) else o[2] if n.endswith('gate') else o[0]
+            if not is_fake(t): got[n].append((tuple(x.detach().clone() for x in i if isinstance(x, torch.Tensor)),
+                                             tuple(x.detach().clone() for x in (o if isinstance(o, tuple) else (o,)))))
+        hs.append(m.get_submodule(n).register_forward_hook(f))
+    return got, hs
+
+
+def _tap(df, site, role, step=0):
+    return df[(df.site == site) & (df.role == role) & (df.step == step)].set_index(['stat', 'idx']).value
+
+
+@pytest.mark.parametrize('arch,impl', [('mixtral', 'grouped_mm'), ('qwen2_moe', 'grouped_mm'), ('mixtral', 'batched_mm')])
+def test_expert_rows_are_the_real_tokens_routed_to_them(arch, impl):
+    m = tiny_decoder(arch, hidden=24, vocab=96, seed=71)
+    if impl != 'grouped_mm': m.set_experts_implementation(impl)
+    ids, am = _left_padded(96, 72)
+    real = am.reshape(-1).bool()
+    got, hs = _capture(m, ['model.layers.0.mlp.gate', 'model.layers.1.mlp.gate'])
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        masked = record(_Named(m), [(ids, am)], attention_mask=am)
+        plain = record(_Named(m), [(ids, am)])
+        ones = record(_Named(m), [(ids, am)], attention_mask=torch.ones_like(am))
+    for h in hs: h.remove()
+    E = 4
+    for layer in (0, 1):
+        (x,), (_, _, choice) = got[f'model.layers.{layer}.mlp.gate'][0]    # the router's input (the tokens) and its top-k ids
+        op = 'grouped_mm' if impl == 'grouped_mm' else 'bmm'
+        base = f'm.model.layers.{layer}.mlp.experts.{op}'
+        for e in range(E):
+            lhs, raw = _tap(masked, f'{base}.expert{e}', 'lhs'), _tap(plain, f'{base}.expert{e}', 'lhs')
+            rows = x[(choice == e).any(-1) & real]                         # the real tokens routed to expert e
+            n_all = int((choice == e).sum())
+            assert int(lhs.loc['row_energy'].notna().sum()) == len(rows) == int(((choice == e) & real[:, None]).sum())
+            assert int(raw.loc['row_energy'].notna().sum()) == n_all        # unmasked: every routed row, padding too
+            if len(rows):
+                np.testing.assert_allclose(lhs.loc[('mean', 0)], rows.mean().item(), rtol=1e-4, atol=1e-6)
+                np.testing.assert_allclose(lhs.loc[('absmax', 0)], rows.abs().max().item(), rtol=1e-5)
+                np.testing.assert_allclose(lhs.loc['chan_absmax'].sort_index().to_numpy(), rows.abs().amax(0).numpy(), rtol=1e-5)
+                np.testing.assert_allclose(np.sort(lhs.loc['row_energy'].dropna().to_numpy()), np.sort(rows.norm(dim=-1).numpy()), rtol=1e-4)
+            out = _tap(masked, f'{base}.expert{e}', 'out').loc['row_energy']
+            assert int(out.notna().sum()) == len(rows)
+        # the router's own load counts every token it routed (padding too): the top-k tap is the router's choice
+        load = masked[(masked.stat == 'expert_load') & masked.site.str.contains(f'layers.{layer}.mlp')].sort_values('idx').value
+        assert load.tolist() == torch.bincount(choice.reshape(-1), minlength=E).tolist()
+    # an all-ones mask is no mask: the same statistics as the plain recording
+    a, b = (d.set_index(['site', 'role', 'stat', 'idx']).value.sort_index() for d in (ones, plain))
+    assert a.index.equals(b.index)
+    np.testing.assert_allclose(a.to_numpy(), b.to_numpy(), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_masked_expert_graph_exports_without_host_reads():
+    "transformers' own grouped_mm experts module, traced alone: its masked expert taps export and match the eager graph."
+    from opscope.recorder import _apply_mask
+    from opscope.inject import inject_matmul_stats
+    m = tiny_decoder('qwen2_moe', hidden=16, layers=1, vocab=64, seed=73)
+    experts = m.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(74)
+    x, am = torch.randn(8, 16, generator=g), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)])
+    w = torch.rand(8, 2, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        inj = _apply_mask(inject_matmul_stats(trace(experts, x, idx, w), cache_weights=False), am)
+        assert sum(getattr(n.target, '__name__', '') == 'routed_groups' for n in inj.graph.nodes) == 2   # one per grouped matmul
+        with torch.no_grad():
+            prog = torch.export.export(inj, (x, idx, w), strict=False)
+            got, ref = prog.module()(x, idx, w)[1], inj(x, idx, w)[1]
+    assert all(n.target not in ('item', 'cpu', 'numpy') for n in prog.graph.nodes)
+    assert all(torch.allclose(got[k], ref[k], equal_nan=True) for k in ref)
+    base = next(k for k in ref if k.endswith('expert0/lhs/row_energy')).rsplit('.expert0', 1)[0]
+    real = am.reshape(-1).bool()
+    for e in range(4):                                                 # each expert: the real tokens routed to it
+        assert int(ref[f'{base}.expert{e}/lhs/row_energy'].isfinite().sum()) == int(((idx == e) & real[:, None]).sum())
+
+
+def test_value_and_key_operands_leave_padded_keys_out():
+    "GPT-2 (no rotary embedding: K and V are c_attn's output) through record: V's rows and Kᵀ's columns are the keys."
+    m = tiny_decoder('gpt2', hidden=32, vocab=96, seed=75)
+    ids, am = _left_padded(96, 76)
+    got, hs = _capture(m, ['transformer.h.0.attn.c_attn'])
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        df = record(_Named(m), [(ids, am)], attention_mask=am)
+        plain = record(_Named(m), [(ids, am)])
+    for h in hs: h.remove()
+    qkv = got['transformer.h.0.attn.c_attn'][0][1][0]                  # (B, T, 3·hidden)
+    B, T, H = 2, 6, m.config.n_head
+    k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in qkv.split(32, -1)[1:])   # (B, H, T, D)
+    real = am.bool()
+    base = 'm.transformer.h.0.attn'
+    names = sorted({s for s in df.site.unique() if s.startswith(base + '.matmul')})
+    qk, pv = names                                                     # Q·Kᵀ, then P·V
+    V, Vraw = _tap(df, pv, 'rhs'), _tap(plain, pv, 'rhs')
+    assert int(V.loc['row_energy'].isna().sum()) == H * int((~real).sum())    # a padded key is no row of V
+    assert Vraw.loc['row_energy'].notna().all()
+    vr = v.transpose(1, 2)[real]                                        # (real keys, H, D)
+    np.testing.assert_allclose(V.loc[('mean', 0)], vr.mean().item(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(V.loc['chan_absmax'].sort_index().to_numpy(), vr.abs().amax((0, 1)).numpy(), rtol=1e-5)
+    Kt = _tap(df, qk, 'rhs')                                            # Kᵀ: (B, H, D, keys), keys are its channels
+    kr = k.transpose(1, 2)[real]
+    np.testing.assert_allclose(Kt.loc[('mean', 0)], kr.mean().item(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(Kt.loc[('absmax', 0)], kr.abs().max().item(), rtol=1e-5)
+    per_key = torch.where(real[:, None, :, None], k, 0).abs().amax((0, 1, 3))   # a key padded in one sequence counts in the other
+    np.testing.assert_allclose(Kt.loc['chan_absmax'].sort_index().to_numpy(), per_key.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(Kt.loc['row_energy'].sort_index().to_numpy(),
+                               torch.where(real[:, None, :, None], k, 0).norm(dim=2).reshape(-1).numpy(), rtol=1e-4)
+    P = _tap(df, pv, 'lhs')                                             # probabilities: real queries × real keys
+    assert int(P.loc['row_energy'].isna().sum()) == H * int((~real).sum())
+    Praw = _tap(plain, pv, 'lhs')
+    assert P.loc[('density', 0)] > Praw.loc[('density', 0)]             # the padded keys' zero probabilities are not sparsity
+
+
+def test_decode_key_value_operands_leave_unfilled_cache_slots_out():
+    m = tiny_decoder('llama', hidden=40, vocab=112, seed=77)
+    ids, am = _left_padded(112, 78, T=5, pad=2)
+    N, (B, T) = 3, ids.shape
+    L, H = T + N - 1, m.config.num_attention_heads
+    got, hs = _capture(m, ['model.layers.0.self_attn.v_proj'])
+    toks, df = record_generate(m, ids, N, attention_mask=am, gate_every=True)
+    for h in hs: h.remove()
+    assert torch.equal(toks, m.generate(ids, attention_mask=am, max_new_tokens=N, min_new_tokens=N, do_sample=False))
+    vs = [o[0] for _, o in got['model.layers.0.self_attn.v_proj']]      # v_proj's output at each eager call (B, n, kv·D)
+    mask = torch.cat([am, am.new_ones(B, N - 1)], 1).bool()
+    base = 'model.layers.0.self_attn'
+    qk, pv = sorted({s for s in df.site.unique() if s.startswith(base + '.matmul')})
+    for step in range(N):
+        filled = T + step                                              # slots written after this step's call
+        real = mask[:, :filled]
+        V, Kt = _tap(df, pv, 'rhs', step), _tap(df, qk, 'rhs', step)
+        assert len(V.loc['row_energy']) == B * H * L                   # the whole cache is the operand ...
+        assert int(V.loc['row_energy'].notna().sum()) == H * int(real.sum())   # ... its real, written slots the rows
+        assert V.loc[('density', 0)] == 1 and Kt.loc[('density', 0)] == 1      # unfilled zeros are not sparsity
+        assert Kt.loc['chan_absmax'].sort_index().isna().tolist() == [not real[:, s].any().item() if s < filled else True for s in range(L)]
+        vr = torch.cat(vs[:step + 1], 1)[real]                         # every real token's value so far
+        np.testing.assert_allclose(V.loc[('mean', 0)], vr.mean().item(), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(V.loc[('absmax', 0)], vr.abs().max().item(), rtol=1e-5)
+        S = _tap(df, qk, 'out', step).loc['chan_absmax'].sort_index()     # scores: a column per cache slot
+        assert S.isna().sum() == L - filled                          # unwritten slots: no column
