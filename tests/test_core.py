@@ -198,3 +198,30 @@ def test_nan_values_roundtrip_through_csv_and_parquet(tmp_path):
         df = record(nn.Linear(8, 4), [torch.empty(0, 8)], sink=p, keep=True)
         back = read_sketches(p)
         assert back.value.isna().sum() == df.value.isna().sum() > 0
+
+
+def _traced_form(x, bins):
+    "The sketch in its traceable form (what torch.compile / torch.export trace), run on real tensors."
+    from unittest import mock
+    from opscope import inject
+    with mock.patch.object(torch.compiler, 'is_compiling', return_value=True): return inject._packed(x, bins)
+
+
+@pytest.mark.parametrize('bins', [64, 10])
+def test_eager_sketch_matches_traced_form(bins):
+    "The eager kernels (one preallocated output, in-place parts) and the traced form give the same packed sketch."
+    from opscope import inject
+    g = torch.Generator().manual_seed(2027)
+    x = torch.randn(4, 12, 20, generator=g); x.view(-1)[::6] = 0
+    x[0, 1, 2], x[1, 2, 3], x[2, 3, 4] = float('nan'), float('inf'), -float('inf')
+    t = torch.randn(9, 7, generator=g).t(); t[1, 1] = float('nan')
+    cases = [x, t, torch.randn(2, 3, 10, 8, generator=g).transpose(-1, -2), torch.randn(5, 3, 2, generator=g)[:, 1:],
+             torch.randn(7, generator=g), torch.tensor(3.0), torch.full((5, 6), float('nan')), torch.full((5, 6), float('inf')),
+             torch.zeros(4, 4), torch.randn(6, 8, generator=g).half(), torch.randn(6, 8, generator=g).double(),
+             torch.randint(-3, 3, (6, 8), generator=g)]
+    for c in cases:
+        before = c.clone()
+        a, b = inject._packed(c, bins), _traced_form(c, bins)
+        assert a.shape == b.shape and a.dtype == b.dtype, c.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(c, before, equal_nan=True)     # the tapped tensor is never written
