@@ -22,7 +22,7 @@ __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 
            'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'ROUTED_ROWS', 'SORT_TARGETS', 'INFER_KINDS', 'ATTN_STATS',
            'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name',
            'expert_site', 'site_names', 'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_node',
-           'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows', 'sketch_kept',
+           'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows', 'sketch_kept', 'walk_up',
            'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'attn_sketch', 'gate_sketch',
            'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
 
@@ -868,8 +868,11 @@ def _conv_roles(new, graph, gm, s, by_name):
 ROUTED_ROWS = 'opscope_routed'   # meta key on an expert tap's group-id node: how its rows map to the tokens the router saw
 SORT_TARGETS = (torch.sort, _aten.sort.default, _aten.sort.stable)
 
-def _walk(n, ok, hops=6):
-    "The first node at most `hops` steps up `n`'s first-argument chain for which `ok` holds, else None."
+def walk_up(n:fx.Node, # where to start
+            ok, # a predicate on a node
+            hops:int=6, # how many steps up at most
+           ):
+    "The first call node at most `hops` steps up `n`'s first-argument chain for which `ok` holds, else None."
     for _ in range(hops):
         if not isinstance(n, fx.Node) or n.op not in ('call_function', 'call_method'): return None
         if ok(n): return n
@@ -879,14 +882,14 @@ def _walk(n, ok, hops=6):
 def _sort_perm(offs):
     "The indices of the `sort` that put a grouped matmul's rows in expert order (transformers' `grouped_mm` experts: `offs` counts the sorted expert ids), else None."
     is_sort = lambda n: n.op == 'call_function' and n.target in SORT_TARGETS or n.op == 'call_method' and n.target == 'sort'
-    vals = _walk(offs, lambda n: n.target is operator.getitem and n.args[1] == 0 and isinstance(n.args[0], fx.Node) and is_sort(n.args[0]))
+    vals = walk_up(offs, lambda n: n.target is operator.getitem and n.args[1] == 0 and isinstance(n.args[0], fx.Node) and is_sort(n.args[0]))
     if vals is None: return None
     return next((u for u in vals.args[0].users if u.target is operator.getitem and u.args[1] == 1), None)
 
 def _topk_indices(ids):
     "Whether `ids` is a top-k's indices flattened (rows in token-major order: token i's k choices are rows i·k … i·k + k − 1)."
     is_topk = lambda n: n.op == 'call_function' and n.target in (torch.topk, _aten.topk.default) or n.target == 'topk'
-    return _walk(ids, lambda n: n.target is operator.getitem and n.args[1] == 1 and isinstance(n.args[0], fx.Node)
+    return walk_up(ids, lambda n: n.target is operator.getitem and n.args[1] == 1 and isinstance(n.args[0], fx.Node)
                  and is_topk(n.args[0]), hops=4) is not None
 
 def _mark_routed(gid, order, perm=None):

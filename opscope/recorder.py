@@ -17,7 +17,7 @@ from .tables import read_sketches, COMMIT_SUFFIX   # the reading half lives in t
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
 from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, same_outputs, attn_sketch, sketch_rows, pack, sketch_node, meta_shape
-from .inject import sketch_kept, sketch_groups, ROUTED_ROWS   # the masked sketches: key columns, routed expert rows
+from .inject import sketch_kept, sketch_groups, ROUTED_ROWS, walk_up   # the masked sketches: key columns, routed expert rows
 from .shapes import coverage, coverage_warning
 
 
@@ -293,14 +293,6 @@ def _token_rows(shape, uses, B, T):
     return shape[0] == B * T if len(shape) == 2 else shape[0] == B and shape[-2] == T
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s6
-def _up(n, ok, hops):
-    "The first node at most `hops` steps up `n`'s first-argument chain for which `ok` holds, else None."
-    for _ in range(hops):
-        if not isinstance(n, fx.Node): return None
-        if ok(n): return n
-        n = n.args[0] if n.op in ('call_function', 'call_method') and n.args else None
-    return None
-
 def _attention_operands(inj):
     "Tensor names of the attention products' operands, by where their keys are: columns (Kᵀ), rows (V), both queries × keys (the scores, P)."
     try: probs = {p.node.name: p for p in infer_sites(inj, ('softmax',))}   # routers excluded
@@ -309,10 +301,10 @@ def _attention_operands(inj):
     outs = {s.node.name: s for s in sites}
     cols, rows, both = set(), set(), set()
     for p in probs.values():                   # Q·Kᵀ: its product, a few score ops (scale, mask) above the softmax
-        qk = _up(p.src, lambda n: n.name in outs, 5)
+        qk = walk_up(p.src, lambda n: n.name in outs, 5)
         if qk is not None: both.add(qk.name); cols.add(outs[qk.name].rhs.name)
     for s in sites:                            # P·V: its lhs is the probabilities (maybe cast)
-        if _up(s.lhs, lambda n: n.name in probs, 3) is not None: both.add(s.lhs.name); rows.add(s.rhs.name)
+        if walk_up(s.lhs, lambda n: n.name in probs, 3) is not None: both.add(s.lhs.name); rows.add(s.rhs.name)
     return cols, rows, both
 
 
