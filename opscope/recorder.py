@@ -266,7 +266,10 @@ def _placeholder(inj, name): return next((n for n in inj.graph.nodes if n.op == 
 def _mask_node(inj, mask=None):
     "The nodes holding this call's (batch, tokens) mask, its shape, and the (batch, keys) key mask (`_key_mask`): from a buffer with `mask` (given to `record`), else the graph's 2-D `attention_mask` input; Nones without one."
     g = inj.graph
-    last = [n for n in g.nodes if n.op == 'placeholder'][-1]   # new nodes go after every input
+    ph = [n for n in g.nodes if n.op == 'placeholder']
+    top = next(n for n in g.nodes if n.op != 'placeholder')
+    for p in ph: top.prepend(p)                  # every input first, in order (a tap may sit right after the first one)
+    last = ph[-1]                                # new nodes go after every input, before any node that reads them
     if mask is not None:
         if mask.dim() != 2: raise InputError(f"attention_mask must be (batch, tokens), not of shape {tuple(mask.shape)}")
         inj.register_buffer(MASK_BUFFER, mask.detach().clone(), persistent=False)
@@ -294,18 +297,21 @@ def _token_rows(shape, uses, B, T):
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s6
 def _attention_operands(inj):
-    "Tensor names of the attention products' operands, by where their keys are: columns (Kᵀ), rows (V), both queries × keys (the scores, P)."
+    "Tensor names of the attention products' operands, by where their keys are: columns (Kᵀ), rows (V), both queries × keys (the scores, P); and the softmax sites whose Q·Kᵀ or P·V it cannot find."
     try: probs = {p.node.name: p for p in infer_sites(inj, ('softmax',))}   # routers excluded
-    except InputError: return set(), set(), set()
+    except InputError: return set(), set(), set(), []
     sites = [s for s in matmul_sites(inj) if s.kind == 'matmul' and isinstance(s.rhs, fx.Node) and isinstance(s.lhs, fx.Node)]
     outs = {s.node.name: s for s in sites}
-    cols, rows, both = set(), set(), set()
-    for p in probs.values():                   # Q·Kᵀ: its product, a few score ops (scale, mask) above the softmax
+    cols, rows, both, pv = set(), set(), set(), set()
+    for s in sites:                            # P·V: its lhs is the probabilities (maybe cast)
+        p = walk_up(s.lhs, lambda n: n.name in probs, 3)
+        if p is not None: both.add(s.lhs.name); rows.add(s.rhs.name); pv.add(p.name)
+    missed = []
+    for name, p in probs.items():              # Q·Kᵀ: its product, a few score ops (scale, mask) above the softmax
         qk = walk_up(p.src, lambda n: n.name in outs, 5)
         if qk is not None: both.add(qk.name); cols.add(outs[qk.name].rhs.name)
-    for s in sites:                            # P·V: its lhs is the probabilities (maybe cast)
-        if walk_up(s.lhs, lambda n: n.name in probs, 3) is not None: both.add(s.lhs.name); rows.add(s.rhs.name)
-    return cols, rows, both
+        if qk is None or name not in pv: missed.append(p.name)
+    return cols, rows, both, missed
 
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s7
@@ -318,6 +324,16 @@ def _routed_node(inj, made, gid, groups, mask):
     return made[gid.name]
 
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b3-s8
+def _unmasked_message(attention:list, # softmax sites whose Q·Kᵀ / P·V opscope could not find
+                      experts:int, # expert group-id nodes whose rows opscope cannot map back to tokens
+                     )->str:
+    "The one-line warning for the taps an `attention_mask` cannot reach: they are sketched whole, padding included."
+    parts = ([f"the keys of {len(attention)} attention operand(s) or softmax site(s) ({', '.join(attention[:3])}{', …' if len(attention) > 3 else ''})"]
+             if attention else []) + ([f"the routed rows of {experts} expert group(s)"] if experts else [])
+    return (f"attention_mask: padded tokens still count in {' and '.join(parts)}: opscope cannot map them to the mask "
+            "(an attention or expert layout it does not know), so they are sketched whole")
+
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s3
 def _apply_mask(inj, mask=None, rows=True):
     "Hand the mask to the taps: attention taps leave padded query rows out, the attention products' key operands their padded keys and unwritten cache slots, and (if `rows`) matmul taps whose rows are tokens and expert taps their padded tokens' rows."
@@ -326,7 +342,11 @@ def _apply_mask(inj, mask=None, rows=True):
     man = getattr(inj, 'manifest', None)
     man = man[man.role.isin(['lhs', 'rhs', 'out'])] if man is not None else []   # the matmul taps (an attention tap reads the mask itself)
     uses = {t: set(zip(d.role, d.op)) for t, d in man.groupby('tensor')} if len(man) else {}
-    cols, vals, both = _attention_operands(inj)
+    cols, vals, both, missed = _attention_operands(inj)
+    B, S = tuple(mask.shape) if mask is not None else meta_shape(_placeholder(inj, 'attention_mask'))   # the keys: the whole mask
+    laid_out = lambda t, d: (sh := meta_shape(t)) is None or len(sh) >= 3 and sh[0] == B and sh[d] == S   # no shape recorded: keys_sketch checks at run time
+    by_name = {n.name: n for n in inj.graph.nodes}
+    missed += sorted(t for t in cols | both if not laid_out(by_name[t], -1)) + sorted(t for t in vals if not laid_out(by_name[t], -2))
     routed = {}
     for n in list(inj.graph.nodes):
         if n.op != 'call_function': continue
@@ -340,6 +360,8 @@ def _apply_mask(inj, mask=None, rows=True):
         elif rows and n.target is sketch_groups and ROUTED_ROWS in n.args[1].meta:
             n.args = (x, _routed_node(inj, routed, n.args[1], n.args[2], node), *n.args[2:])
     inj.meta['opscope_masked'] = sum(n.target in (masked_sketch, keys_sketch) for n in inj.graph.nodes) + len(routed)
+    experts = sorted({n.args[1].name for n in inj.graph.nodes if n.target is sketch_groups and n.args[1].target is not routed_groups}) if rows else []
+    if missed or experts: warnings.warn(_unmasked_message(missed, len(experts)), stacklevel=4)
     inj.graph.lint(); inj.recompile()
     return inj
 

@@ -372,3 +372,35 @@ def test_decode_key_value_operands_leave_unfilled_cache_slots_out():
         np.testing.assert_allclose(V.loc[('absmax', 0)], vr.abs().max().item(), rtol=1e-5)
         S = _tap(df, qk, 'out', step).loc['chan_absmax'].sort_index()     # scores: a column per cache slot
         assert S.isna().sum() == L - filled                          # unwritten slots: no column
+
+
+class _BmmAttention(nn.Module):
+    "Attention over (batch·heads, tokens, head_dim) with torch.bmm, as older code writes it: a key layout the masks cannot reach."
+    def __init__(self, d=16, h=2):
+        super().__init__(); self.h, self.qkv, self.o = h, nn.Linear(d, 3 * d), nn.Linear(d, d)
+    def forward(self, x, attention_mask):
+        B, T, D = x.shape
+        q, k, v = (t.reshape(B, T, self.h, -1).transpose(1, 2).reshape(B * self.h, T, -1) for t in self.qkv(x).chunk(3, -1))
+        s = torch.bmm(q, k.transpose(1, 2)) / (D // self.h) ** 0.5
+        s = s.masked_fill(attention_mask.repeat_interleave(self.h, 0)[:, None, :] == 0, float('-inf'))
+        return self.o(torch.bmm(torch.softmax(s, -1), v).reshape(B, self.h, T, -1).transpose(1, 2).reshape(B, T, D))
+
+
+def _mask_warnings(fn):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        fn()
+    return [str(x.message) for x in w if str(x.message).startswith('attention_mask:')]
+
+
+def test_taps_a_mask_cannot_reach_are_named_in_one_warning():
+    "Padding the key masks cannot remove (an unknown attention layout) is said, not silently counted; known layouts say nothing."
+    torch.manual_seed(81)
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(82))
+    am = torch.ones(2, 6, dtype=torch.long); am[0, :2] = 0
+    said = _mask_warnings(lambda: record(_BmmAttention().eval(), [dict(x=x, attention_mask=am)]))
+    assert len(said) == 1 and 'the keys of' in said[0] and 'sketched whole' in said[0], said
+    for arch in ('gpt2', 'mixtral'):
+        m = tiny_decoder(arch, seed=83)
+        ids, am2 = _left_padded(m.config.vocab_size, 84)
+        assert _mask_warnings(lambda: record(_Named(m), [(ids, am2)], attention_mask=am2)) == [], arch
