@@ -338,7 +338,7 @@ def _unmasked_message(attention:list, # softmax sites whose Q·Kᵀ / P·V opsco
 def _apply_mask(inj, mask=None, rows=True):
     "Hand the mask to the taps: attention taps leave padded query rows out, the attention products' key operands their padded keys and unwritten cache slots, and (if `rows`) matmul taps whose rows are tokens and expert taps their padded tokens' rows."
     node, shape, keys = _mask_node(inj, mask)
-    if node is None: return inj
+    if node is None: inj.recompile(); return inj     # (the inputs may have moved first)
     man = getattr(inj, 'manifest', None)
     man = man[man.role.isin(['lhs', 'rhs', 'out'])] if man is not None else []   # the matmul taps (an attention tap reads the mask itself)
     uses = {t: set(zip(d.role, d.op)) for t, d in man.groupby('tensor')} if len(man) else {}
