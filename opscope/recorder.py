@@ -297,7 +297,7 @@ def _token_rows(shape, uses, B, T):
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b3-s6
 def _attention_operands(inj):
-    "Tensor names of the attention products' operands, by where their keys are: columns (Kᵀ), rows (V), both queries × keys (the scores, P); and the softmax sites whose Q·Kᵀ or P·V it cannot find."
+    "Tensor names of the attention products' operands, by where their keys are: columns (Kᵀ), rows (V), both queries × keys (the scores, P); and the softmax sites where it finds one of Q·Kᵀ and P·V but not the other."
     try: probs = {p.node.name: p for p in infer_sites(inj, ('softmax',))}   # routers excluded
     except InputError: return set(), set(), set(), []
     sites = [s for s in matmul_sites(inj) if s.kind == 'matmul' and isinstance(s.rhs, fx.Node) and isinstance(s.lhs, fx.Node)]
@@ -310,7 +310,7 @@ def _attention_operands(inj):
     for name, p in probs.items():              # Q·Kᵀ: its product, a few score ops (scale, mask) above the softmax
         qk = walk_up(p.src, lambda n: n.name in outs, 5)
         if qk is not None: both.add(qk.name); cols.add(outs[qk.name].rhs.name)
-        if qk is None or name not in pv: missed.append(p.name)
+        if (qk is None) != (name not in pv): missed.append(p.name)   # half an attention found; neither: a softmax that is no attention
     return cols, rows, both, missed
 
 
