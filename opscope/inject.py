@@ -21,9 +21,9 @@ __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 
            'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX',
            'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'ROUTED_ROWS', 'SORT_TARGETS', 'INFER_KINDS', 'ATTN_STATS',
            'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name',
-           'expert_site', 'site_names', 'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_node',
-           'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows', 'sketch_kept', 'walk_up',
-           'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'attn_sketch', 'gate_sketch',
+           'expert_site', 'site_names', 'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_packed',
+           'sketch_node', 'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows', 'sketch_kept',
+           'walk_up', 'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'attn_sketch', 'gate_sketch',
            'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
@@ -279,27 +279,49 @@ SCRATCH_MAX = 1 << 24  # eager CPU sketches of tensors up to this many elements 
 _SCRATCH = threading.local()
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s1
-def _scratch(slot:int, x2:torch.Tensor)->torch.Tensor:
-    "A (rows, channels) buffer like `x2` for the sketch's own temporaries: on CPU a reused per-thread buffer (its pages stay mapped), else fresh."
-    n = x2.numel()
-    if x2.device.type != 'cpu' or n > SCRATCH_MAX: return torch.empty_like(x2, memory_format=torch.contiguous_format)
+def _scratch(slot:int, n:int, like:torch.Tensor)->torch.Tensor:
+    "A flat buffer of `n` elements like `like` for the sketch's own temporaries: on CPU a reused per-thread buffer (its pages stay mapped), else fresh."
+    if like.device.type != 'cpu' or n > SCRATCH_MAX: return torch.empty(n, dtype=like.dtype, device=like.device)
     bufs = _SCRATCH.__dict__.setdefault('bufs', {})
-    b = bufs.get((slot, x2.dtype))
-    if b is None or b.numel() < n: b = bufs[(slot, x2.dtype)] = torch.empty(n, dtype=x2.dtype)
-    return b[:n].view(x2.shape)
+    b = bufs.get((slot, like.dtype))
+    if b is None or b.numel() < n: b = bufs[(slot, like.dtype)] = torch.empty(n, dtype=like.dtype)
+    return b[:n]
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-d0
+def _float(x:torch.Tensor)->torch.Tensor:
+    "`x` as the sketch reads it: float32 and float64 as they are, every other dtype as float32."
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+def _dims(x:torch.Tensor)->tuple:
+    "(rows R, channels C, sequence length T, histogram sample stride) of `x` viewed as rows × channels (channels = last dim)."
+    C = x.shape[-1] if x.dim() else 1
+    R = math.prod(x.shape[:-1]) if x.dim() else 1
+    return R, C, x.shape[-2] if x.dim() >= 2 else 1, sample_stride(R * C, C)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s2
-def _passes_eager(x2, T):
-    "The full-size passes in eager mode: float kernels only, written into two scratch buffers (clean, and one reused with `out=`)."
-    R, C = x2.shape
-    clean = torch.nan_to_num(x2, nan=0.0, posinf=0.0, neginf=0.0, out=_scratch(0, x2))
-    buf = torch.nan_to_num(x2, nan=1.0, posinf=2.0, neginf=2.0, out=_scratch(1, x2)).sub_(clean)   # exactly 0 where finite, 1 at NaN, 2 at ±inf
-    flat = buf.reshape(-1)
+def _raw_eager(x, R, C, T, s, bins):
+    "The eager sketch's full-size passes (float kernels only, into two scratch buffers) and its sampled histogram: the raw parts `_finalize` turns into sketches."
+    n, B = R * C, R // T
+    clean = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=_scratch(0, n, x).view(x.shape)).view(R, C)
+    buf = torch.nan_to_num(x, nan=1.0, posinf=2.0, neginf=2.0, out=_scratch(1, n, x).view(x.shape)).view(R, C).sub_(clean)  # 0, 1 at NaN, 2 at ±inf
+    flat = buf.view(-1)
     s1, s2 = flat.sum(), torch.dot(flat, flat)    # nan + 2·inf and nan + 4·inf, exact integers below 2^24
     nz = torch.ne(clean, 0, out=buf).sum(0)        # buf reused: 1.0 at each nonzero, summed per channel
-    rows = clean.view(-1, T, C)
-    prod = torch.mul(rows[:, 1:], rows[:, :-1], out=flat[:(R // T) * (T - 1) * C].view(R // T, T - 1, C))
-    return clean, s1, s2, clean.sum(), clean.amax(0), clean.amin(0), nz, torch.linalg.vector_norm(clean, dim=-1), prod.sum(-1)
+    rows = clean.view(B, T, C)
+    dots = torch.mul(rows[:, 1:], rows[:, :-1], out=flat[:B * (T - 1) * C].view(B, T - 1, C)).sum(-1)
+    cmax, cmin = clean.amax(0), clean.amin(0)
+    mx, mn = cmax.max(), cmin.min()
+    hist, near = _hist_eager(clean.view(-1)[::s], torch.maximum(mx, -mn), bins)
+    return ((s1, s2, clean.sum(), near, mx, mn), cmax, cmin, nz, torch.linalg.vector_norm(clean, dim=-1),
+            F.pad(dots, (0, 1)).view(-1), hist)   # dots row-aligned: row r's with row r + 1, 0 at a sequence's last row
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-h0
+def _hist_eager(sample, absmax, bins):
+    "The histogram of sample/(absmax+1e-12) (`bins` + 1 counts: the last one, values at exactly +1, belongs to the last bin) and the near-zero count."
+    near = torch.le(sample.abs(), NEARZERO_REL * absmax).sum(dtype=sample.dtype)
+    v = torch.div(sample, absmax + 1e-12).add_(1).mul_(bins / 2)
+    idx = v.long()   # as `_hist`: the truncation of a value >= 0; a scatter-add, not `bincount`, which syncs to size its output
+    return torch.zeros(bins + 1, dtype=v.dtype, device=v.device).scatter_add_(0, idx, torch.ones_like(v)), near
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s3
 def _passes_compiled(x2, T):
@@ -325,16 +347,13 @@ def _gcd(a:int, b:int)->int:
     return a
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s5
-def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
-    "The sketch of `x` as one flat tensor: the `SCALARS`, then `hist`, `chan_absmax`, `chan_density`, `row_energy` (`_unpack` splits it)."
+def _packed_traced(x:torch.Tensor, bins:int=64)->torch.Tensor:
+    "The packed sketch in its traceable form (what torch.compile and torch.export trace): vectorized compares, fusable row and column loops, no scratch."
     x2, T = _as_rows(x.detach())
     R, C = x2.shape
     n = R * C
     if n == 0: return _empty_packed(x2, bins)
-    # every temporary is the sketch's own, so its in-place and out= writes touch nothing autograd or the model sees
-    # eager on real tensors; traced (torch.compile, torch.export: fake or functional tensors) in the traceable form
-    passes = _passes_eager if type(x2) is torch.Tensor and not torch.compiler.is_compiling() else _passes_compiled
-    clean, s1, s2, total, cmax, cmin, nz, row_energy, dots = passes(x2, T)
+    clean, s1, s2, total, cmax, cmin, nz, row_energy, dots = _passes_compiled(x2, T)
     chan_absmax = torch.maximum(cmax, -cmin)
     absmax = chan_absmax.max()
     e = row_energy.reshape(-1, T)
@@ -354,6 +373,78 @@ def _empty_packed(x2, bins):
     nan = float('nan')
     scalars = x2.new_tensor([0, nan, nan, nan, nan, nan, nan, nan, nan, 0, 0, nan])
     return torch.cat([scalars, x2.new_zeros(bins), x2.new_full((2 * C,), nan), x2.new_zeros(R)])
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-e0
+def _eager(x:torch.Tensor)->bool:
+    "Whether `x` is a real tensor outside any compiler (the eager kernels run) rather than a fake / functional one being traced."
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
+
+def _raw(x:torch.Tensor, bins:int=64):
+    "A tap's sketch before finalizing: eagerly `(raw parts, dims)` for `_finalize`; an empty or traced tensor's packed sketch directly."
+    x = _float(x.detach())
+    d = _dims(x)
+    if d[0] * d[1] == 0: return _empty_packed(x.reshape(d[0], d[1]), bins)
+    return (_raw_eager(x, *d, bins), d) if _eager(x) else _packed_traced(x, bins)
+
+def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
+    "The sketch of `x` as one flat tensor: the `SCALARS`, then `hist`, `chan_absmax`, `chan_density`, `row_energy` (`_unpack` splits it)."
+    s = _finalize([_raw(x, bins)], bins)[0]
+    return s if isinstance(s, torch.Tensor) else pack(s)
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-f0
+_LAYOUTS, LAYOUT_CACHE, _LAYOUT_LOCK = {}, 64, threading.Lock()   # eager finalize layouts by the taps' dims (a few small tensors each)
+
+def _const(values, dtype, device)->torch.Tensor:
+    "A tensor of host `values` on `device`, copied without waiting for the device (pinned memory on CUDA)."
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else t.to(device)
+
+def _layout(dims:tuple, bins:int, dtype, device)->dict:
+    "What `_finalize_raw` needs for taps of these (R, C, T, stride) dims: the lengths of their channel and row segments, per-tap counts (cached)."
+    key = (dims, bins, dtype, device)
+    L = _LAYOUTS.get(key)
+    if L is not None: return L
+    R, C, T, S = zip(*dims)
+    f = lambda v: _const(v, dtype, device)
+    i = lambda v: _const(v, torch.long, device)
+    L = dict(lenC=i(C), lenR=i(R), lenP=i(R[:-1] + (R[-1] - 1,)), n=f([r * c for r, c in zip(R, C)]),
+             pairs=f([(r // t) * (t - 1) for r, t in zip(R, T)]), sampled=f([-(-r * c // s) for r, c, s in zip(R, C, S)]),
+             rows=f(np.repeat(R, C)), C=list(C), R=list(R))
+    with _LAYOUT_LOCK:
+        if len(_LAYOUTS) >= LAYOUT_CACHE: _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = L
+    return L
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-f1
+def _finalize_raw(raws:list, bins:int)->list:
+    "The `STATS` tuples of eager taps (`_raw_eager` parts and dims, one dtype and device), all finalized together in a few vector ops."
+    k, dims = len(raws), tuple(d for _, d in raws)
+    sc, cmax, cmin, nz, energy, dots, hist = zip(*(p for p, _ in raws))
+    s1, s2, total, near, mx, mn = torch.stack([t for s in zip(*sc) for t in s]).view(6, k)
+    CMAX, CMIN, NZ, E, DOTS = (torch.cat(t) for t in (cmax, cmin, nz, energy, dots))
+    dt, dev = CMAX.dtype, CMAX.device
+    L = _layout(dims, bins, dt, dev)
+    H = torch.cat(hist).view(k, bins + 1)
+    H[:, bins - 1] += H[:, bins]                                      # values at exactly +1 belong to the last bin
+    per = lambda lengths, v: torch.segment_reduce(v, 'sum', lengths=lengths)   # sum per tap
+    cos = DOTS[:-1] / (E[:-1] * E[1:]).clamp_min(1e-30)                 # 0 where the pair is not adjacent rows of a sequence
+    n, inf = L['n'], (s2 - s1) / 2
+    mean, ms = total / n, per(L['lenR'], E * E) / n
+    scal = torch.stack([n, mn, mx, mean, (ms - mean * mean).clamp_min(0).sqrt(), torch.maximum(mx, -mn), ms.sqrt(),
+                        per(L['lenC'], NZ) / n, near / L['sampled'], s1 - 2 * inf, inf, per(L['lenP'], cos) / L['pairs']], 1)
+    sv, hs = scal.view(-1).unbind(), H[:, :bins].unbind()
+    ca, cd, re = torch.maximum(CMAX, -CMIN).split(L['C']), (NZ / L['rows']).split(L['C']), E.split(L['R'])
+    return [(*sv[len(SCALARS) * i:len(SCALARS) * (i + 1)], ca[i], cd[i], re[i], hs[i]) for i in range(k)]
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-f2
+def _finalize(items, bins:int)->tuple:
+    "Every tap's sketch: raw eager parts (`_raw`) finalized together per dtype and device into `STATS` tuples; packed sketches as they are."
+    out, groups = list(items), {}
+    for i, it in enumerate(items):
+        if not isinstance(it, torch.Tensor): groups.setdefault((it[0][1].dtype, it[0][1].device), []).append(i)
+    for idx in groups.values():
+        for i, t in zip(idx, _finalize_raw([items[i] for i in idx], bins)): out[i] = t
+    return tuple(out)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s7
 def _channels(x): return x.shape[-1] if x.dim() else 1
@@ -378,7 +469,7 @@ def sketch(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim); 
     return _unpack(_packed(x, bins), _channels(x), bins)
 
 SKETCH_REGION_SHAPES = 256  # distinct tapped-tensor shapes one compiled graph may hold (torch's default, 8, is too few)
-_sketch_region = torch.compiler.nested_compile_region(_packed, max_reuse_entries=SKETCH_REGION_SHAPES)
+_sketch_region = torch.compiler.nested_compile_region(_packed_traced, max_reuse_entries=SKETCH_REGION_SHAPES)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s11
 def _sketch_impl(x:torch.Tensor, bins:int)->torch.Tensor:
@@ -398,15 +489,25 @@ _sketch_op = torch.ops.opscope.sketch
 SKETCH_KERNELS = 'inductor'  # under torch.compile: 'inductor' traces each sketch (a nested region, once per shape) for Inductor to fuse; 'op' runs it as the opaque `opscope::sketch`
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s13
+def sketch_packed(x:torch.Tensor, # the tapped tensor
+                  bins:int=64, # histogram bins
+                 )->torch.Tensor:
+    "One tap's packed sketch in any mode: under torch.compile a nested compile region traced once per tensor shape (or, `SKETCH_KERNELS='op'`, the opaque `opscope::sketch`), else `_packed`."
+    if torch.compiler.is_compiling(): return _sketch_region(x, bins) if SKETCH_KERNELS == 'inductor' else _sketch_op(x.detach(), bins)
+    return _packed(x, bins)
+
 def sketch_node(x, bins):
-    "The graph's sketch node: the packed sketch, as `opscope::sketch` or (`SKETCH_KERNELS='inductor'`) a nested compile region traced once per tensor shape."
-    if torch.compiler.is_compiling() and SKETCH_KERNELS == 'inductor': return _sketch_region(x, bins)
-    return _sketch_op(x.detach(), bins) if torch.compiler.is_compiling() else _packed(x, bins)
+    "The graph's sketch node: eagerly the raw parts that the graph's one `_finalize_node` finalizes together with every other tap's; under a compiler the packed sketch (`sketch_packed`)."
+    return sketch_packed(x, bins) if torch.compiler.is_compiling() else _raw(x, bins)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s14
-def _unpack_node(flat, x, bins):
-    "The graph's unpack node: the tap's packed sketch as the `STATS` tuple."
-    return _unpack(flat, _channels(x), bins)
+def _finalize_node(bins, *items):
+    "The graph's finalize node, right before its output: every tap's sketch (`_finalize`)."
+    return _finalize(items, bins)
+
+def _unpack_node(sk, C, bins):
+    "The graph's unpack node: a tap's sketch as the `STATS` tuple (a packed one split; `C`, its channel count, from a node right after the tensor)."
+    return sk if isinstance(sk, tuple) else _unpack(sk, C, bins)
 
 # %% ../nbs/01_inject.ipynb #7a1f7fc2
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -639,19 +740,31 @@ def _merge_manifest(gm, rows):
     return new if old is None else pd.concat([old, new], ignore_index=True)
 
 # %% ../nbs/01_inject.ipynb #95592b8d
-def _tap(graph, x, bins, cached=None):
-    "Insert a sketch of `x` (an fx Node, or a parameter path) and one getitem per stat; `cached=(buffer, R, C)` reads a weight's cached sketch."
+def _tap(graph, x, bins, cached=None, pending=None):
+    "Insert a sketch of `x` (an fx Node, or a parameter path); its stat nodes, a dict `_finish_taps` fills for a sketch queued in `pending`. `cached=(buffer, R, C)` reads a weight's cached sketch."
     first = next(n for n in graph.nodes if n.op != 'placeholder')
     if cached is not None:
         with graph.inserting_before(first): buf = graph.get_attr(cached[0])
         with graph.inserting_after(buf): sk = graph.call_function(_split_sketch, (buf, cached[2], bins))
-    else:
-        if isinstance(x, str):
-            with graph.inserting_before(first): x = graph.get_attr(x)
-        with graph.inserting_after(x): flat = graph.call_function(sketch_node, (x, bins))
-        with graph.inserting_after(flat): sk = graph.call_function(_unpack_node, (flat, x, bins))
-    with graph.inserting_after(sk):
-        return {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
+        with graph.inserting_after(sk):
+            return {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
+    if isinstance(x, str):
+        with graph.inserting_before(first): x = graph.get_attr(x)
+    with graph.inserting_after(x): raw = graph.call_function(sketch_node, (x, bins))
+    with graph.inserting_after(raw): c = graph.call_function(_channels, (x,))
+    pending.append((raw, c, {}))
+    return pending[-1][2]
+
+def _finish_taps(graph, pending, bins):
+    "One `_finalize_node` before the output for every queued sketch node; after it, each tap's unpack and stat nodes (filled into its dict)."
+    if not pending: return
+    out = next(n for n in reversed(graph.nodes) if n.op == 'output')
+    with graph.inserting_before(out):
+        fin = graph.call_function(_finalize_node, (bins, *[raw for raw, _, _ in pending]))
+        for i, (_, c, stats) in enumerate(pending):
+            sk = graph.call_function(_unpack_node, (graph.call_function(operator.getitem, (fin, i)), c, bins))
+            items = [graph.call_function(operator.getitem, (sk, j)) for j in range(len(STATS))]
+            stats.update(reversed(list(zip(STATS, items))))   # the order `_tap` gives a cached weight's stats
 
 # %% ../nbs/01_inject.ipynb #95592b8d-s1
 def _is_static(gm, x):
@@ -954,10 +1067,13 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
                         bins:int=64, # histogram bins
                         cache_weights=True, # True: weights sketched outside the graph when their fingerprint (incl. values) changes; 'version': without the value read; False: in the graph, every call
                         decompose:bool=True, # first write SDPA and `nn.MultiheadAttention` as matmuls (`decompose_attention`)
+                        sites=None, # tap only the sites `sites(site)` accepts (a `Site`: name, op, kind), e.g. `lambda s: s.op == 'linear'`; None: all
                        )->fx.GraphModule:
     "A new `GraphModule` returning `(primary, stats)`, with sketches of every GEMM-like op's lhs, rhs and out."
     if decompose: gm = decompose_attention(gm)
-    sites = matmul_sites(gm)
+    found = matmul_sites(gm)
+    sites = found if sites is None else [s for s in found if sites(s)]
+    if found and not sites: raise InputError(f"`sites` accepts none of the {len(found)} matmul sites of {type(gm).__name__} ({', '.join(s.name for s in found[:4])}, ...)")
     if not sites:
         raise InputError(f"no matmul sites in {type(gm).__name__}: opscope taps nn.Linear, F.linear, matmul/@, mm, "
                          "bmm, addmm, baddbmm, two-operand einsum, convolutions and grouped (expert) matmuls, "
@@ -966,7 +1082,7 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
     new = fx.GraphModule(gm, graph, class_name='Injected' + type(gm).__name__)
     new.meta.update(gm.meta)
     by_name = {n.name: n for n in graph.nodes}
-    taps, stat_nodes, rows = {}, {}, []
+    taps, uses, rows, pending = {}, [], [], []
     wc = _static_state(new, gm, bins, cache_weights) if cache_weights else None
     for s in sites:
         try: roles = _roles(new, graph, gm, s, by_name)
@@ -979,11 +1095,13 @@ def inject_matmul_stats(gm:fx.GraphModule, # from `trace`; left untouched
                     if keep is not None: taps[key] = _tap_group(graph, taps, x, keep, bins)
                     else:
                         cached = _cache_weight(new, wc, x if isinstance(x, str) else x.target) if static and wc is not None else None
-                        taps[key] = _tap(graph, x, bins, cached)
+                        taps[key] = _tap(graph, x, bins, cached, pending)
                 except Exception as e:
                     raise RuntimeError(f"cannot tap {role} of site {s.name} ({s.node.format_node()}): {e}") from e
-            for st, n in taps[key].items(): stat_nodes[f'{s.name}/{role}/{st}'] = n
+            uses.append((f'{s.name}/{role}', taps[key]))
             rows.append(dict(site=s.name, role=role, op=s.op, M=M, K=K, N=N, numel=_prod(shape), tensor=key, static=static))
+    _finish_taps(graph, pending, bins)
+    stat_nodes = {f'{k}/{st}': n for k, tap in uses for st, n in tap.items()}
     out = next(n for n in reversed(graph.nodes) if n.op == 'output')
     _set_outputs(new, out, out.args[0], stat_nodes)
     graph.lint()
@@ -1017,7 +1135,7 @@ def _packed_outputs(gm:fx.GraphModule):
             if u not in index:
                 index[u] = len(flats)
                 src, c, b = u.args
-                if u.target is _unpack_node: flats.append(src); chans.append(graph.call_function(_channels, (c,)))
+                if u.target is _unpack_node: flats.append(src); chans.append(c)
                 else: flats.append(graph.call_function(torch.clone, (src,))); chans.append(c)   # a cached weight sketch: a copy, as `_split_sketch`
                 bins.append(b)
             plan.append((k, index[u], n.args[1]))
@@ -1035,7 +1153,7 @@ def _packed_outputs(gm:fx.GraphModule):
 def _unpacked_outputs(out, plan, bins):
     "The packed twin's outputs as the injected module's `(primary, stats)`: the same keys in the same order, the packed sketches split into views."
     primary, rest, flats, chans = out
-    parts = [_unpack(f, c, b) for f, c, b in zip(flats, chans, bins)]
+    parts = [f if isinstance(f, tuple) else _unpack(f, c, b) for f, c, b in zip(flats, chans, bins)]   # a twin run eagerly finalized them already
     return primary, {k: rest[k] if t is None else parts[t][i] for k, t, i in plan}
 
 # %% ../nbs/01_inject.ipynb #c0mp1n02

@@ -273,6 +273,7 @@ def cross_table(stationary, steps, w, seed=0):
     "`cross_step`'s table from per-tap `stationary` flags, usual-step counts and the (tap, idx) × step chan_absmax matrix `w` (shared with the DuckDB engine)."
     out = pd.DataFrame({'stationary': stationary})
     out.insert(0, 'steps', steps)   # taps with matmul-style sketches only
+    out['stationary'] = out.stationary.eq(True)   # a tap with no step-comparable stat (only `numel` rows) is not stationary
     taps = w.index.droplevel('idx')
     starts = np.flatnonzero(~taps.duplicated())
     V = w.to_numpy(dtype=float)

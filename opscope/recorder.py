@@ -16,7 +16,7 @@ from .tables import InputError, MissingError, atomic_write, require_columns, as_
 from .tables import read_sketches, COMMIT_SUFFIX   # the reading half lives in tables (no torch: Dask workers mine with it), re-exported here
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
-from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, same_outputs, attn_sketch, sketch_rows, pack, sketch_node, meta_shape
+from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, same_outputs, attn_sketch, sketch_rows, pack, sketch_node, sketch_packed, meta_shape
 from .inject import sketch_kept, sketch_groups, ROUTED_ROWS, walk_up   # the masked sketches: key columns, routed expert rows
 from .shapes import coverage, coverage_warning
 
@@ -227,7 +227,7 @@ def masked_sketch(x:torch.Tensor, # a tapped tensor whose rows are tokens
                   bins:int=64, # histogram bins
                  )->torch.Tensor:
     "The packed sketch of the real-token rows of `x` only (`sketch_rows`): padded rows add nothing to any statistic and their `row_energy` is NaN."
-    return pack(sketch_rows(x, _row_keep(mask, x), bins)) if _aligned(mask, x) else sketch_node(x, bins)
+    return pack(sketch_rows(x, _row_keep(mask, x), bins)) if _aligned(mask, x) else sketch_packed(x, bins)
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b1-s4
 def keys_sketch(x:torch.Tensor, # an attention product's operand whose last dim is the keys (Kᵀ, the scores, the probabilities), or with `rows` its rows (V)
@@ -238,7 +238,7 @@ def keys_sketch(x:torch.Tensor, # an attention product's operand whose last dim 
                )->torch.Tensor:
     "The packed sketch of `x` over its real keys' columns (or, with `rows`, rows) only, and its real queries' rows given `queries`: padded keys and unwritten cache slots add nothing (`sketch_kept`)."
     B, S = keys.shape
-    if not (x.dim() >= 3 and x.shape[0] == B and x.shape[-2 if rows else -1] == S): return sketch_node(x, bins)   # not this mask's keys
+    if not (x.dim() >= 3 and x.shape[0] == B and x.shape[-2 if rows else -1] == S): return sketch_packed(x, bins)   # not this mask's keys
     keep = keys.reshape(B, *([1] * (x.dim() - 3)), S, 1) if rows else keys.reshape(B, *([1] * (x.dim() - 2)), S)
     if queries is not None and x.shape[-2] == queries.shape[1]:
         keep = keep & (queries != 0).reshape(B, *([1] * (x.dim() - 3)), queries.shape[1], 1)

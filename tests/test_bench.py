@@ -110,7 +110,7 @@ def test_benchmark_tables():
     tab = overhead_table(m, x, repeats=2)
     assert {'method', 'taps', 'ms', 'ms_median', 'ratio'} <= set(tab.columns) and tab.ratio[0] == 1.0
     ll = like_for_like(tab)
-    assert ll['hook_taps'] < ll['injected_taps'] and ll['hooks_vs_injected'] > 0
+    assert ll['hook_taps'] == ll['injected_taps'] and ll['hooks_vs_injected'] > 0     # the same nn.Linear taps
     ot = online_table(m, x, every=(2,), steps=8)
     assert ot.every.tolist() == [2] and ot.dropped[0] == 0 and ot.held_kib[0] > 0
     assert list(sketch_profile(m, x, calls=1, top=5).columns) == ['op', 'ms', 'calls', 'share']

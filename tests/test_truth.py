@@ -138,10 +138,11 @@ def _frames():
     sk['no-density'] = c[c.stat != 'density']
     sk['one-row'] = c.groupby(['site', 'role', 'step'], observed=True).head(1)
     sk['one-row-per-tap'] = c.groupby(['site', 'role'], observed=True).head(1)
+    sk['numel-only'] = c[c.stat == 'numel']           # no step-comparable stat at all: nothing is stationary
     return sk
 
 
-@pytest.mark.parametrize('name', ['clean', 'zero', 'all-nan', 'mixed', 'no-density', 'one-row', 'one-row-per-tap'])
+@pytest.mark.parametrize('name', ['clean', 'zero', 'all-nan', 'mixed', 'no-density', 'one-row', 'one-row-per-tap', 'numel-only'])
 def test_engines_agree_on_degenerate_files(tmp_path, name):
     df = _frames()[name].reset_index(drop=True)
     path = tmp_path / f'{name}.parquet'
