@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_bench.ipynb #b002ench
 from __future__ import annotations
-import contextlib, os, threading, time
+import contextlib, copy, os, threading, time
 import numpy as np
 import pandas as pd
 import psutil
@@ -111,15 +111,22 @@ def _hooked(model, x, fn):
 
 # %% ../nbs/11_bench.ipynb #b015ench-s1
 def _compiled(fn, x, compiler=torch.compile):
-    "`compiler(fn)`, the seconds its first call (the compilation) took from a fresh Inductor cache (no graph or kernel an earlier run compiled is reused), and the seconds a second compilation takes from the cache the first one filled."
+    "`compiler(fn)`, the seconds its first call (the compilation) took from a fresh Inductor cache (no graph or kernel an earlier run compiled is reused), and the seconds compiling a copy of `fn` takes from the cache the first one filled."
     from torch._inductor.utils import fresh_cache   # torch's own cold-cache context (used only here)
     with fresh_cache():
         times = []
-        for _ in range(2):
-            torch._dynamo.reset()
-            c = compiler(fn)
+        for f in (fn, _copy(fn)):
+            c = compiler(f)
             t0 = time.perf_counter(); c(x); times.append(time.perf_counter() - t0)
     return c, *times
+
+def _copy(fn):
+    "A graph module with `fn`'s graph, parameters and meta but code of its own (so Dynamo compiles it anew); other callables as they are."
+    if not isinstance(fn, torch.fx.GraphModule): return fn
+    new = torch.fx.GraphModule(fn, copy.deepcopy(fn.graph), class_name=type(fn).__name__)
+    new.meta.update(fn.meta)
+    if hasattr(fn, 'manifest'): new.manifest = fn.manifest
+    return new
 
 def _warm_compiler(x):
     "One throwaway compile, so a timed compile pays no process-wide start-up (compile workers, ISA probe) the other skips."
@@ -161,6 +168,7 @@ def overhead_table(model:nn.Module, # the model to measure
     extra = {}
     with torch.no_grad():
         if compile:
+            torch._dynamo.reset()
             _warm_compiler(x)
             cp, *tp = _compiled(gm, x)
             ci, *ti = _compiled(inj, x, compile_injected)
@@ -290,7 +298,7 @@ def bench_report(full:bool=False, # the goal sizes (minutes, compiles) instead o
                  repeats:int=None, compile:bool=None)->dict:
     "Every benchmark table, at the goal sizes (`full`) or the small ones."
     S = SIZES if full else {k: SIZES['small'] for k in SIZES}
-    repeats, compile = repeats or (9 if full else 3), full if compile is None else compile
+    repeats, compile = repeats or (15 if full else 3), full if compile is None else compile
     torch.set_num_threads(1)
     rep = dict(eager=overhead_table(*bench_model(**S['eager']), repeats=repeats),
                online=online_table(*bench_model(**S['online']), steps=160 if full else 24))
