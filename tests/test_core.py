@@ -225,3 +225,23 @@ def test_eager_sketch_matches_traced_form(bins):
         assert a.shape == b.shape and a.dtype == b.dtype, c.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
         torch.testing.assert_close(c, before, equal_nan=True)     # the tapped tensor is never written
+
+
+def test_injected_graph_reads_nothing_back_to_the_host():
+    "No `.item()` / `bool(tensor)` / `.tolist()` in an eager injected forward (one would be a device sync on an accelerator): no ATen `_local_scalar_dense` runs, on a transformer with NaN input, an MoE and a model with weights re-sketched in the graph."
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from opscope.zoo import transformer, moe, example_input
+    class Reads(TorchDispatchMode):
+        def __init__(self): super().__init__(); self.n = 0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+    for m, cache in ((transformer(layers=1), True), (moe(layers=1), True), (transformer(layers=1), False)):
+        x = example_input(m)
+        if x.is_floating_point(): x = x.clone(); x.view(-1)[0] = float('nan')
+        inj = inject_matmul_stats(trace(m, x), cache_weights=cache)
+        with torch.no_grad():
+            inj(x)                                    # first call: weight sketches and finalize layouts are built
+            with Reads() as r: y, stats = inj.forward(x)   # the graph alone: the weight-cache refresh before it reads fingerprints by design
+        assert r.n == 0, f"{r.n} host reads in {type(m).__name__}'s injected forward"
+        assert stats and all(isinstance(v, torch.Tensor) for v in stats.values())
