@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_bench.ipynb #b002ench
 from __future__ import annotations
-import contextlib, copy, os, threading, time
+import contextlib, os, threading, time
 import numpy as np
 import pandas as pd
 import psutil
@@ -13,7 +13,7 @@ import torch.nn as nn
 from .tables import atomic_write
 from .zoo import DISTS, make_tensor, transformer, outlier_channels
 from . import inject
-from .inject import trace, inject_matmul_stats, compile_injected, sketch, sketch_node, meta_shape, sample_stride, STATS, HIST_SAMPLE, NEARZERO_REL
+from .inject import trace, inject_matmul_stats, compile_injected, rebuild, sketch, sketch_node, meta_shape, sample_stride, STATS, HIST_SAMPLE, NEARZERO_REL
 from .recorder import record
 from .miner import mine
 from .scale import mine_duckdb
@@ -121,12 +121,8 @@ def _compiled(fn, x, compiler=torch.compile):
     return c, *times
 
 def _copy(fn):
-    "A graph module with `fn`'s graph, parameters and meta but code of its own (so Dynamo compiles it anew); other callables as they are."
-    if not isinstance(fn, torch.fx.GraphModule): return fn
-    new = torch.fx.GraphModule(fn, copy.deepcopy(fn.graph), class_name=type(fn).__name__)
-    new.meta.update(fn.meta)
-    if hasattr(fn, 'manifest'): new.manifest = fn.manifest
-    return new
+    "`fn` with code of its own, so Dynamo compiles it anew (`inject.rebuild`); other callables as they are."
+    return rebuild(fn) if isinstance(fn, torch.fx.GraphModule) else fn
 
 def _warm_compiler(x):
     "One throwaway compile, so a timed compile pays no process-wide start-up (compile workers, ISA probe) the other skips."
@@ -184,7 +180,7 @@ def overhead_table(model:nn.Module, # the model to measure
         for f, _ in methods.values(): f()      # warm up
         times = _interleaved({k: f for k, (f, _) in methods.items()}, repeats)
     base, base_median = min(times['plain forward']), np.median(times['plain forward'])
-    for k, g in (('injected (eager)', inj), ('injected (nn.Linear taps)', inj_lin), ('injected (compiled)', inj)):
+    for k, g in (('injected (eager)', inj), ('injected (nn.Linear taps)', inj_lin)):
         extra.setdefault(k, {}).update(_sketched(g))
     return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=1e3 * min(v), ms_median=1e3 * float(np.median(v)),
                               ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), **extra.get(k, {}))
@@ -338,7 +334,7 @@ def _reasons(rep, got):
         why['compiled injected / compiled plain'] = (f"the fused sketches add {f.ms - pl.ms:.1f} ms to a {pl.ms:.1f} ms forward; the opaque ones "
                                                      f"(eager kernels) {op.ms - pl.ms:.1f} ms")
         why['compile time injected / plain'] = (f"{f.compile_s:.1f} s vs {pl.compile_s:.1f} s from a cold cache ({f.compile_warm_s:.1f} s vs {pl.compile_warm_s:.1f} s "
-                                                f"from a warm one): Inductor builds one fused C++ sketch kernel for each of the {int(f.shapes)} distinct tapped "
+                                                f"from a warm one): Inductor builds one fused C++ sketch kernel for each of the {int(c.shapes['injected (eager)'])} distinct tapped "
                                                 f"shapes, compiles the plain graph has not; opaque sketches compile in {op.compile_s / pl.compile_s:.2f}x "
                                                 f"but run at {op.ms / pl.ms:.2f}x")
         why['graph breaks (injected, compiled)'] = 'Dynamo traces the whole injected graph as one'

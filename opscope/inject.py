@@ -22,9 +22,9 @@ __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 
            'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'ROUTED_ROWS', 'SORT_TARGETS', 'INFER_KINDS', 'ATTN_STATS',
            'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name',
            'expert_site', 'site_names', 'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_packed',
-           'sketch_node', 'refresh_static', 'decompose_attention', 'sketch_groups', 'sketch_rows', 'sketch_kept',
-           'walk_up', 'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'attn_sketch', 'gate_sketch',
-           'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
+           'sketch_node', 'refresh_static', 'rebuild', 'decompose_attention', 'sketch_groups', 'sketch_rows',
+           'sketch_kept', 'walk_up', 'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'attn_sketch',
+           'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
 
 # %% ../nbs/01_inject.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -317,11 +317,9 @@ def _raw_eager(x, R, C, T, s, bins):
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-h0
 def _hist_eager(sample, absmax, bins):
-    "The histogram of sample/(absmax+1e-12) (`bins` + 1 counts: the last one, values at exactly +1, belongs to the last bin) and the near-zero count."
+    "The histogram of sample/(absmax+1e-12) (`_hist`) and the near-zero count of an eager tap's sample."
     near = torch.le(sample.abs(), NEARZERO_REL * absmax).sum(dtype=sample.dtype)
-    v = torch.div(sample, absmax + 1e-12).add_(1).mul_(bins / 2)
-    idx = v.long()   # as `_hist`: the truncation of a value >= 0; a scatter-add, not `bincount`, which syncs to size its output
-    return torch.zeros(bins + 1, dtype=v.dtype, device=v.device).scatter_add_(0, idx, torch.ones_like(v)), near
+    return _hist(torch.div(sample, absmax + 1e-12), bins), near
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s3
 def _passes_compiled(x2, T):
@@ -424,17 +422,15 @@ def _finalize_raw(raws:list, bins:int)->list:
     CMAX, CMIN, NZ, E, DOTS = (torch.cat(t) for t in (cmax, cmin, nz, energy, dots))
     dt, dev = CMAX.dtype, CMAX.device
     L = _layout(dims, bins, dt, dev)
-    H = torch.cat(hist).view(k, bins + 1)
-    H[:, bins - 1] += H[:, bins]                                      # values at exactly +1 belong to the last bin
     per = lambda lengths, v: torch.segment_reduce(v, 'sum', lengths=lengths, unsafe=True)   # sum per tap (`unsafe`: no length check, which would sync)
     cos = DOTS[:-1] / (E[:-1] * E[1:]).clamp_min(1e-30)                 # 0 where the pair is not adjacent rows of a sequence
     n, inf = L['n'], (s2 - s1) / 2
     mean, ms = total / n, per(L['lenR'], E * E) / n
     scal = torch.stack([n, mn, mx, mean, (ms - mean * mean).clamp_min(0).sqrt(), torch.maximum(mx, -mn), ms.sqrt(),
                         per(L['lenC'], NZ) / n, near / L['sampled'], s1 - 2 * inf, inf, per(L['lenP'], cos) / L['pairs']], 1)
-    sv, hs = scal.view(-1).unbind(), H[:, :bins].unbind()
+    sv = scal.view(-1).unbind()
     ca, cd, re = torch.maximum(CMAX, -CMIN).split(L['C']), (NZ / L['rows']).split(L['C']), E.split(L['R'])
-    return [(*sv[len(SCALARS) * i:len(SCALARS) * (i + 1)], ca[i], cd[i], re[i], hs[i]) for i in range(k)]
+    return [(*sv[len(SCALARS) * i:len(SCALARS) * (i + 1)], ca[i], cd[i], re[i], hist[i]) for i in range(k)]
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-f2
 def _finalize(items, bins:int)->tuple:
@@ -635,6 +631,16 @@ def _get_attr(gm, path):
     mod, _, name = path.rpartition('.')
     return getattr(gm.get_submodule(mod) if mod else gm, name)
 
+# %% ../nbs/01_inject.ipynb #c5e69189-r0
+def rebuild(gm:fx.GraphModule, # the module whose parameters, buffers, meta and manifest the new one shares
+            graph:fx.Graph=None, # the new module's graph (default: a copy of `gm`'s)
+           )->fx.GraphModule:
+    "A new `GraphModule` running `graph` over `gm`'s parameters, with `gm`'s meta and manifest and code of its own (`gm` is untouched)."
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph) if graph is None else graph, class_name=type(gm).__name__)
+    new.meta.update(gm.meta)
+    if hasattr(gm, 'manifest'): new.manifest = gm.manifest
+    return new
+
 # %% ../nbs/01_inject.ipynb #c5e69189-s7
 def _propagate_meta(gm, nodes):
     "Fill `meta['val']` of new nodes by running them on meta tensors (best effort: shapes only)."
@@ -698,10 +704,8 @@ def decompose_attention(gm:fx.GraphModule, # from `trace`; left untouched
     has_sdpa = any(n.op == 'call_function' and n.target in SDPA_TARGETS for n in gm.graph.nodes)
     if not mhas and not has_sdpa: return gm
     if mhas:
-        graph = copy.deepcopy(gm.graph)
-        new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-        new.meta.update(gm.meta)
-        if hasattr(gm, 'manifest'): new.manifest = gm.manifest
+        new = rebuild(gm)
+        graph = new.graph
         for n in [m for m in graph.nodes if m.name in {x.name for x in mhas}]: _decompose_mha_one(new, graph, n)
         new.meta['opscope_sdpa'] = gm.meta.get('opscope_sdpa', 0) + len(mhas)
         graph.lint(); new.recompile()
@@ -1144,10 +1148,7 @@ def _packed_outputs(gm:fx.GraphModule):
         for g in [g for g in u.users if not g.users]: graph.erase_node(g)
         if not u.users: graph.erase_node(u)
     graph.lint()
-    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta.update(gm.meta)
-    if hasattr(gm, 'manifest'): new.manifest = gm.manifest
-    return new, plan, bins
+    return rebuild(gm, graph), plan, bins
 
 # %% ../nbs/01_inject.ipynb #c0mp1n0p-s2
 def _unpacked_outputs(out, plan, bins):
@@ -1314,10 +1315,8 @@ def _decompose_one(graph, node):
 def decompose_sdpa(gm:fx.GraphModule, # from `trace`; left untouched
                   )->fx.GraphModule:
     "A new `GraphModule` with every `scaled_dot_product_attention` call written as matmul + softmax + matmul."
-    graph = copy.deepcopy(gm.graph)
-    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta.update(gm.meta)
-    if hasattr(gm, 'manifest'): new.manifest = gm.manifest
+    new = rebuild(gm)
+    graph = new.graph
     nodes = [n for n in graph.nodes if n.op == 'call_function' and n.target in SDPA_TARGETS]
     for n in nodes: _decompose_one(graph, n)
     new.meta['opscope_sdpa'] = gm.meta.get('opscope_sdpa', 0) + len(nodes)
