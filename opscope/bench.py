@@ -137,10 +137,12 @@ def _kernels(mode:str):
 
 # %% ../nbs/11_bench.ipynb #b015ench-s3
 def _sketched(inj)->dict:
-    "What one call of an injected graph sketches: tensors, their elements, and their distinct shapes (one fused kernel each under torch.compile)."
+    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads (`inject.EAGER_KERNEL`; the bench models are float32 on CPU), and their distinct shapes (one fused kernel each under torch.compile)."
     man = inj.manifest[~inj.manifest.static].drop_duplicates('tensor')
     shapes = {meta_shape(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
-    return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), shapes=len(shapes))
+    k = inject.EAGER_KERNEL if not inject._FUSED_ERROR else 'aten'
+    fused = int((man.numel >= inject.FUSED_MIN).sum()) if k == 'auto' else len(man) if k == 'fused' else 0
+    return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, shapes=len(shapes))
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2
 def overhead_table(model:nn.Module, # the model to measure
@@ -149,7 +151,7 @@ def overhead_table(model:nn.Module, # the model to measure
                    compile:bool=False, # also time torch.compile of the plain and the injected graph (Inductor-fused and opaque sketches)
                    ao:bool=True, # include torch.ao's observers
                   )->pd.DataFrame:
-    "Per method: taps covered, ms per forward (min and median over repeats), ratio to the plain forward (of the minima and of the medians), compile seconds (cold and from a warm cache), graph breaks, and what an injected graph sketches."
+    "Per method: taps covered, ms per forward (min and median over repeats), ratio to the plain forward (of the minima and of the medians), the seconds of its first call, compile seconds (cold and from a warm cache), graph breaks, and what an injected graph sketches."
     gm = trace(model, x)
     inj, inj_nc = inject_matmul_stats(gm), inject_matmul_stats(gm, cache_weights=False)
     inj_lin = inject_matmul_stats(gm, sites=lambda s: s.op == 'linear')
@@ -177,13 +179,13 @@ def overhead_table(model:nn.Module, # the model to measure
             extra = {'plain forward (compiled)': dict(compile_s=tp[0], compile_warm_s=tp[1], graph_breaks=breaks(gm)),
                      'injected (compiled)': dict(compile_s=ti[0], compile_warm_s=ti[1], graph_breaks=breaks(inj)),
                      'injected (compiled, opaque sketches)': dict(compile_s=to[0], compile_warm_s=to[1])}
-        for f, _ in methods.values(): f()      # warm up
+        first = _interleaved({k: f for k, (f, _) in methods.items()}, 1)   # warm up; the injected graph's first call compiles the fused eager kernel if this process has not
         times = _interleaved({k: f for k, (f, _) in methods.items()}, repeats)
     base, base_median = min(times['plain forward']), np.median(times['plain forward'])
     for k, g in (('injected (eager)', inj), ('injected (nn.Linear taps)', inj_lin)):
         extra.setdefault(k, {}).update(_sketched(g))
     return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=1e3 * min(v), ms_median=1e3 * float(np.median(v)),
-                              ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), **extra.get(k, {}))
+                              ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), first_call_s=first[k][0], **extra.get(k, {}))
                          for k, v in times.items()])
 
 # %% ../nbs/11_bench.ipynb #b018ench
@@ -320,10 +322,12 @@ def _reasons(rep, got):
     p = rep.get('profile')
     top = '' if p is None else ', '.join(f"{op.replace('aten::', '')} {sh:.0%}" for op, sh in zip(p.op, p.share) if 'mm' not in op)
     i, added = e.loc['injected (eager)'], e.ms['injected (eager)'] - e.ms['plain forward']
+    fused = int(i.get('fused', 0)) if np.isfinite(i.get('fused', np.nan)) else 0
+    how = (f"{fused} of them by the fused kernel Inductor compiled once for this process (the injected graph's first call took {i.first_call_s:.1f} s), "
+           f"the other {int(i.sketched) - fused} by the ATen passes" if fused else "each by about ten ATen passes the eager executor runs one by one")
     why['injected eager / plain eager'] = (f"{int(i.sketched)} tensors ({i.elements / 1e6:.1f} M elements) are sketched per forward in {added:.1f} ms "
-                                           f"({1e6 * added / max(i.elements, 1):.2f} ns per element) on top of a {e.ms['plain forward']:.1f} ms forward: "
-                                           "each about ten memory-bound passes the eager executor runs one by one"
-                                           + (f"; self time beyond the matmuls: {top}" if top else ''))
+                                           f"({1e6 * added / max(i.elements, 1):.2f} ns per element) on top of a {e.ms['plain forward']:.1f} ms forward, "
+                                           + how + (f"; self time beyond the matmuls: {top}" if top else ''))
     ll = like_for_like(rep['eager'])
     why['hooks + numpy / injected eager, same taps'] = (f"on the same {ll['hook_taps']} nn.Linear taps, numpy on host copies adds {ll['hook_ms_per_tap']:.2f} ms "
                                                         f"per tap and the injected sketch {ll['injected_ms_per_tap']:.2f} ms; the whole forwards differ by "

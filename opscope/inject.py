@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_inject.ipynb #033c35b0
 from __future__ import annotations
-import contextlib, copy, functools, io, math, operator, threading, time, weakref
+import contextlib, copy, functools, io, math, operator, os, threading, time, warnings, weakref
 from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
@@ -18,10 +18,10 @@ from .tables import InputError
 
 # %% auto #0
 __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
-           'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX',
-           'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'ROUTED_ROWS', 'SORT_TARGETS', 'INFER_KINDS', 'ATTN_STATS',
-           'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'site_name',
-           'expert_site', 'site_names', 'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_packed',
+           'GROUPED_FNS', 'HIST_SAMPLE', 'NEARZERO_REL', 'SCALARS', 'VECTORS', 'STATS', 'SCRATCH_MAX', 'EAGER_KERNEL',
+           'FUSED_MIN', 'SKETCH_REGION_SHAPES', 'SKETCH_KERNELS', 'ROUTED_ROWS', 'SORT_TARGETS', 'INFER_KINDS',
+           'ATTN_STATS', 'GATE_STATS', 'SDPA_RTOL', 'SDPA_ATOL', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site',
+           'site_name', 'expert_site', 'site_names', 'matmul_sites', 'sample_stride', 'pack', 'sketch', 'sketch_packed',
            'sketch_node', 'refresh_static', 'rebuild', 'decompose_attention', 'sketch_groups', 'sketch_rows',
            'sketch_kept', 'walk_up', 'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'attn_sketch',
            'gate_sketch', 'decompose_sdpa', 'InferSite', 'infer_sites', 'inject_infer_stats']
@@ -321,6 +321,45 @@ def _hist_eager(sample, absmax, bins):
     near = torch.le(sample.abs(), NEARZERO_REL * absmax).sum(dtype=sample.dtype)
     return _hist(torch.div(sample, absmax + 1e-12), bins), near
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-k0
+EAGER_KERNEL = os.environ.get('OPSCOPE_EAGER_KERNEL', 'auto')  # eager sketches: 'auto' runs CPU float32 taps of at least FUSED_MIN elements as one fused kernel (compiled once per process), 'aten' always the ATen passes, 'fused' the fused kernel for every float32 tap on any device
+FUSED_MIN = 1 << 16   # 'auto': smaller taps keep the ATen passes (they cost little, and a process that taps only small tensors never compiles)
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-k1
+def _fused_passes(x, R:int, C:int, T:int, s:int, bins:int):
+    "`_raw_eager`'s parts from `x` flat (R·C float32 values): the compiled passes (`_passes_compiled`) and the sampled histogram, written for Inductor to fuse."
+    x2 = x.view(R, C)
+    _, s1, s2, total, cmax, cmin, nz, energy, dots = _passes_compiled(x2, T)
+    dots = torch.cat([dots, dots.new_zeros(dots.shape[0], 1)], 1).view(-1)   # row-aligned like `_raw_eager`'s: 0 at a sequence's last row
+    sample = x[::s]
+    sample = torch.where(sample.abs() < math.inf, sample, 0.0)
+    mx, mn = cmax.max(), cmin.min()
+    hist, near = _hist_eager(sample, torch.maximum(mx, -mn), bins)
+    return (s1, s2, total, near, mx, mn), cmax, cmin, nz, energy, dots, hist
+
+_fused_kernel = torch.compile(_fused_passes, dynamic=True, fullgraph=True)   # one kernel set for every shape (Dynamo recompiles only for a few size classes)
+_FUSED_ERROR = []   # the error that made the fused kernel unusable in this process (then every tap runs the ATen passes)
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-k2
+def _use_fused(x:torch.Tensor, n:int)->bool:
+    "Whether an eager tap of `n` elements runs the fused kernel (`EAGER_KERNEL`): never under a dispatch mode (a profiler or counter that wants to see the ATen ops) or after the kernel failed."
+    if EAGER_KERNEL == 'aten' or _FUSED_ERROR or x.dtype != torch.float32 or _dispatch_mode() is not None: return False
+    return EAGER_KERNEL == 'fused' or (x.device.type == 'cpu' and n >= FUSED_MIN)
+
+def _dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return _get_current_dispatch_mode()
+
+def _raw_fused(x, R, C, T, s, bins):
+    "The fused kernel's parts for one eager tap, or None (with one warning per process) if it cannot be compiled here."
+    try:
+        with torch.no_grad(): return _fused_kernel(x.reshape(-1), R, C, T, s, bins)
+    except Exception as e:   # no C++ compiler, an unsupported backend...: the ATen passes give the same sketch
+        _FUSED_ERROR.append(e)
+        warnings.warn(f"opscope: the fused eager sketch kernel failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                      "eager sketches run the ATen passes from now on (OPSCOPE_EAGER_KERNEL=aten skips trying)")
+        return None
+
 # %% ../nbs/01_inject.ipynb #c5c687d9-s3
 def _passes_compiled(x2, T):
     "The same passes under `torch.compile`: vectorized compares (Inductor's CPU isnan is a scalar loop), per-row sums and a shifted read, all fusable into one row loop."
@@ -382,7 +421,9 @@ def _raw(x:torch.Tensor, bins:int=64):
     x = _float(x.detach())
     d = _dims(x)
     if d[0] * d[1] == 0: return _empty_packed(x.reshape(d[0], d[1]), bins)
-    return (_raw_eager(x, *d, bins), d) if _eager(x) else _packed_traced(x, bins)
+    if not _eager(x): return _packed_traced(x, bins)
+    parts = _raw_fused(x, *d, bins) if _use_fused(x, d[0] * d[1]) else None
+    return (_raw_eager(x, *d, bins) if parts is None else parts), d
 
 def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
     "The sketch of `x` as one flat tensor: the `SCALARS`, then `hist`, `chan_absmax`, `chan_density`, `row_energy` (`_unpack` splits it)."

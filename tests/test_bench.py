@@ -108,7 +108,9 @@ def test_record_compile_runs_the_compiled_graph(monkeypatch):
 def test_benchmark_tables():
     m, x = bench_model(1, 32, 8, 2, seed=47)
     tab = overhead_table(m, x, repeats=2)
-    assert {'method', 'taps', 'ms', 'ms_median', 'ratio'} <= set(tab.columns) and tab.ratio[0] == 1.0
+    assert {'method', 'taps', 'ms', 'ms_median', 'ratio', 'first_call_s', 'fused'} <= set(tab.columns) and tab.ratio[0] == 1.0
+    i = tab.set_index('method').loc['injected (eager)']
+    assert i.fused == 0 and i.sketched > 0 and (tab.first_call_s > 0).all()    # these taps are below FUSED_MIN
     ll = like_for_like(tab)
     assert ll['hook_taps'] == ll['injected_taps'] and ll['hooks_vs_injected'] > 0     # the same nn.Linear taps
     ot = online_table(m, x, every=(2,), steps=8)
@@ -117,6 +119,19 @@ def test_benchmark_tables():
     assert (hist_sample_error((64, 64)).tv_distance >= 0).all()
     mt = miner_throughput(3000)
     assert mt.engine.tolist() == ['pandas', 'duckdb'] and (mt.rows >= 3000).all() and (mt.findings > 0).all()
+
+
+def test_fused_taps_counted_and_explained(monkeypatch):
+    "With every tap above FUSED_MIN the overhead table counts them all as fused, and the goal table's reason says so."
+    import opscope.inject as inject
+    monkeypatch.setattr(inject, 'FUSED_MIN', 0)
+    m, x = bench_model(1, 32, 8, 2, seed=48)
+    tab = overhead_table(m, x, repeats=1, ao=False)
+    i = tab.set_index('method').loc['injected (eager)']
+    assert i.fused == i.sketched > 0 and not inject._FUSED_ERROR
+    rep = dict(eager=tab, online=online_table(m, x, every=(8,), steps=8))
+    why = goal_table(rep).set_index('goal').why['injected eager / plain eager']
+    assert f'{int(i.sketched)} of them by the fused kernel' in why, why
 
 
 def test_report_goals_and_cli_round_trip(tmp_path, cli):

@@ -245,3 +245,73 @@ def test_injected_graph_reads_nothing_back_to_the_host():
             with Reads() as r: y, stats = inj.forward(x)   # the graph alone: the weight-cache refresh before it reads fingerprints by design
         assert r.n == 0, f"{r.n} host reads in {type(m).__name__}'s injected forward"
         assert stats and all(isinstance(v, torch.Tensor) for v in stats.values())
+
+
+def _with_kernel(monkeypatch, kernel, fn):
+    from opscope import inject
+    with monkeypatch.context() as m:
+        m.setattr(inject, 'EAGER_KERNEL', kernel)
+        return fn()
+
+
+def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
+    "The fused eager kernel (what 'auto' runs for big CPU float32 taps) gives the ATen passes' sketch: NaN, ±inf, zeros, one-row and one-sequence shapes, and a whole injected transformer; it runs where 'auto' says and compiles to one graph with no host read."
+    from opscope import inject
+    calls = []
+    kernel = inject._fused_kernel
+    monkeypatch.setattr(inject, '_fused_kernel', lambda *a: calls.append(a[1:4]) or kernel(*a))
+    g = torch.Generator().manual_seed(11)
+    for shape in ((8, 96, 384), (1, 300, 384), (3, 7, 1000)):
+        x = torch.randn(shape, generator=g)
+        x.view(-1)[::97], x.view(-1)[5::199], x.view(-1)[7::299], x.view(-1)[1::3] = float('nan'), float('inf'), -float('inf'), 0.
+        n = len(calls)
+        fused, aten = (_with_kernel(monkeypatch, k, lambda: sketch(x)) for k in ('fused', 'aten'))
+        assert len(calls) == n + 1
+        for name, a, b in zip(STATS, fused, aten): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True, msg=f'{shape} {name}')
+    n = len(calls)
+    sketch(torch.randn(8, 96, 384)); sketch(torch.randn(4, 8, 16))     # 'auto': the big tap fused, the small one not
+    assert len(calls) == n + 1 and not inject._FUSED_ERROR
+    m = transformer(layers=1); x = example_input(m)
+    monkeypatch.setattr(inject, 'FUSED_MIN', 0)
+    gm = trace(m, x)
+    with torch.no_grad():
+        n = len(calls); _, fused = inject_matmul_stats(gm)(x); assert len(calls) > n
+        _, aten = _with_kernel(monkeypatch, 'aten', lambda: inject_matmul_stats(gm)(x))
+    assert fused.keys() == aten.keys()
+    for k in fused: torch.testing.assert_close(fused[k], aten[k], rtol=1e-4, atol=1e-4, equal_nan=True, msg=k)
+    R, C, T = 768, 384, 96
+    ex = torch._dynamo.explain(inject._fused_passes)(torch.randn(R * C), R, C, T, inject.sample_stride(R * C, C), 64)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1
+    reads = [n for gr in ex.graphs for n in gr.graph.nodes if n.op == 'call_method' and n.target in ('item', 'tolist', 'cpu', 'numpy', '__bool__')]
+    assert not reads, reads
+
+
+def test_fused_eager_kernel_failure_falls_back_once(monkeypatch):
+    "A fused kernel that cannot compile (no C++ compiler, say) warns once and every tap then runs the ATen passes, with the same sketch."
+    from opscope import inject
+    def broken(*a): raise RuntimeError('no compiler here\nmore detail')
+    monkeypatch.setattr(inject, '_fused_kernel', broken)
+    monkeypatch.setattr(inject, '_FUSED_ERROR', [])
+    x = torch.randn(8, 96, 384)
+    with pytest.warns(UserWarning, match='fused eager sketch kernel failed .RuntimeError: no compiler here.'):
+        got = _with_kernel(monkeypatch, 'fused', lambda: sketch(x))
+    assert len(inject._FUSED_ERROR) == 1
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        again = _with_kernel(monkeypatch, 'fused', lambda: sketch(x))    # no second warning, no second try
+    want = _with_kernel(monkeypatch, 'aten', lambda: sketch(x))
+    for name, a, b, c in zip(STATS, got, again, want):
+        torch.testing.assert_close(a, c, equal_nan=True, msg=name); torch.testing.assert_close(b, c, equal_nan=True, msg=name)
+
+
+def test_fused_eager_kernel_off_under_dispatch_modes(monkeypatch):
+    "A tap sketched under a TorchDispatchMode (a profiler or counter that wants the ATen ops) runs the ATen passes."
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from opscope import inject
+    calls = []
+    monkeypatch.setattr(inject, '_fused_kernel', lambda *a: calls.append(1))
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None): return func(*args, **(kwargs or {}))
+    with Count(): s = _with_kernel(monkeypatch, 'fused', lambda: sketch(torch.randn(8, 96, 384)))
+    assert not calls and len(s) == len(STATS)
