@@ -135,12 +135,20 @@ def _kernels(mode:str):
     try: yield
     finally: inject.SKETCH_KERNELS = old
 
+def _fused(f):
+    "`f` run with `inject.EAGER_KERNEL = 'auto'`: eager sketches of big CPU taps by the fused kernel."
+    def g():
+        old, inject.EAGER_KERNEL = inject.EAGER_KERNEL, 'auto'
+        try: return f()
+        finally: inject.EAGER_KERNEL = old
+    return g
+
 # %% ../nbs/11_bench.ipynb #b015ench-s3
-def _sketched(inj)->dict:
-    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads (`inject.EAGER_KERNEL`; the bench models are float32 on CPU), and their distinct shapes (one fused kernel each under torch.compile)."
+def _sketched(inj, kernel:str=None)->dict:
+    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `inject.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), and their distinct shapes (one fused kernel each under torch.compile)."
     man = inj.manifest[~inj.manifest.static].drop_duplicates('tensor')
     shapes = {meta_shape(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
-    k = inject.EAGER_KERNEL if not inject._FUSED_ERROR else 'aten'
+    k = 'aten' if inject._FUSED_ERROR else kernel or inject.EAGER_KERNEL
     fused = int((man.numel >= inject.FUSED_MIN).sum()) if k == 'auto' else len(man) if k == 'fused' else 0
     return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, shapes=len(shapes))
 
@@ -160,7 +168,9 @@ def overhead_table(model:nn.Module, # the model to measure
     methods = {'plain forward': (lambda: gm(x), 0), 'injected (eager)': (lambda: inj(x), n_taps),
                'injected, weights re-sketched': (lambda: inj_nc(x), n_taps),
                'hooks + numpy (nn.Linear taps)': (lambda: (store.clear(), _hooked(model, x, _numpy_hook(store, wcache))), n_lin),
-               'injected (nn.Linear taps)': (lambda: inj_lin(x), len(inj_lin.manifest))}
+               'injected (nn.Linear taps)': (lambda: inj_lin(x), len(inj_lin.manifest)),
+               'injected (eager, fused kernel)': (_fused(lambda: inj(x)), n_taps),
+               'injected (nn.Linear taps, fused kernel)': (_fused(lambda: inj_lin(x)), len(inj_lin.manifest))}
     obs = _ao_observers(model) if ao else None
     if obs is not None: methods['torch.ao observers (Linear inputs)'] = (lambda: _hooked(model, x, obs), n_lin // 3)
     extra = {}
@@ -182,17 +192,20 @@ def overhead_table(model:nn.Module, # the model to measure
         first = _interleaved({k: f for k, (f, _) in methods.items()}, 1)   # warm up; the injected graph's first call compiles the fused eager kernel if this process has not
         times = _interleaved({k: f for k, (f, _) in methods.items()}, repeats)
     base, base_median = min(times['plain forward']), np.median(times['plain forward'])
-    for k, g in (('injected (eager)', inj), ('injected (nn.Linear taps)', inj_lin)):
-        extra.setdefault(k, {}).update(_sketched(g))
+    for k, g, kernel in (('injected (eager)', inj, None), ('injected (nn.Linear taps)', inj_lin, None),
+                         ('injected (eager, fused kernel)', inj, 'auto'), ('injected (nn.Linear taps, fused kernel)', inj_lin, 'auto')):
+        extra.setdefault(k, {}).update(_sketched(g, kernel))
     return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=1e3 * min(v), ms_median=1e3 * float(np.median(v)),
                               ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), first_call_s=first[k][0], **extra.get(k, {}))
                          for k, v in times.items()])
 
 # %% ../nbs/11_bench.ipynb #b018ench
-def like_for_like(tab:pd.DataFrame)->dict:
-    "Hooks + numpy vs the injected graph on the same nn.Linear taps, from an `overhead_table`: the ratio of the time each adds to the plain forward, each one's ms per tap, and the ratio of the whole forwards."
+def like_for_like(tab:pd.DataFrame, # from `overhead_table`
+                  fused:bool=False, # the injected graph with the fused eager kernel (`inject.EAGER_KERNEL = 'auto'`) instead of the default
+                 )->dict:
+    "Hooks + numpy vs the injected graph on the same nn.Linear taps: the ratio of the time each adds to the plain forward, each one's ms per tap, and the ratio of the whole forwards."
     t = tab.set_index('method')
-    h, i = t.loc['hooks + numpy (nn.Linear taps)'], t.loc['injected (nn.Linear taps)']
+    h, i = t.loc['hooks + numpy (nn.Linear taps)'], t.loc['injected (nn.Linear taps, fused kernel)' if fused else 'injected (nn.Linear taps)']
     added = lambda r: r.ms - t.loc['plain forward'].ms      # what the method adds to the plain forward, in ms
     return dict(hooks_vs_injected=added(h) / added(i), whole_forward=h.ms / i.ms, hook_taps=int(h.taps), injected_taps=int(i.taps),
                 hook_ms_per_tap=added(h) / h.taps, injected_ms_per_tap=added(i) / i.taps)
@@ -289,7 +302,9 @@ def miner_throughput(n_rows:int=10**5, engines=('pandas', 'duckdb'))->pd.DataFra
 GOALS = (('online 1-in-8 mean step / plain', 1.10, '<='), ('online 1-in-8 mean step / plain, compile=True', 1.10, '<='),
          ('compiled injected / compiled plain', 1.3, '<='),
          ('compile time injected / plain', 2.0, '<='), ('graph breaks (injected, compiled)', 0, '<='),
-         ('injected eager / plain eager', 1.5, '<='), ('hooks + numpy / injected eager, same taps', 3.0, '>='))
+         ('injected eager / plain eager', 1.5, '<='), ('hooks + numpy / injected eager, same taps', 3.0, '>='),
+         ('injected eager, fused kernel (opt-in) / plain eager', 1.5, '<='),
+         ('hooks + numpy / injected eager with the fused kernel (opt-in), same taps', 3.0, '>='))
 
 def bench_report(full:bool=False, # the goal sizes (minutes, compiles) instead of the small ones
                  miner_rows:int=None, # rows for the miner throughput (default 10^7 full, 3·10^4 small)
@@ -321,17 +336,22 @@ def _reasons(rep, got):
                                                                 f"plain forward, an unsampled one {r.unsampled_ratio:.2f}x")
     p = rep.get('profile')
     top = '' if p is None else ', '.join(f"{op.replace('aten::', '')} {sh:.0%}" for op, sh in zip(p.op, p.share) if 'mm' not in op)
-    i, added = e.loc['injected (eager)'], e.ms['injected (eager)'] - e.ms['plain forward']
-    fused = int(i.get('fused', 0)) if np.isfinite(i.get('fused', np.nan)) else 0
-    how = (f"{fused} of them by the fused kernel Inductor compiled once for this process (the injected graph's first call took {i.first_call_s:.1f} s), "
-           f"the other {int(i.sketched) - fused} by the ATen passes" if fused else "each by about ten ATen passes the eager executor runs one by one")
-    why['injected eager / plain eager'] = (f"{int(i.sketched)} tensors ({i.elements / 1e6:.1f} M elements) are sketched per forward in {added:.1f} ms "
-                                           f"({1e6 * added / max(i.elements, 1):.2f} ns per element) on top of a {e.ms['plain forward']:.1f} ms forward, "
-                                           + how + (f"; self time beyond the matmuls: {top}" if top else ''))
-    ll = like_for_like(rep['eager'])
-    why['hooks + numpy / injected eager, same taps'] = (f"on the same {ll['hook_taps']} nn.Linear taps, numpy on host copies adds {ll['hook_ms_per_tap']:.2f} ms "
-                                                        f"per tap and the injected sketch {ll['injected_ms_per_tap']:.2f} ms; the whole forwards differ by "
-                                                        f"{ll['whole_forward']:.2f}x, both holding the plain forward")
+    def eager_why(m):
+        i, added = e.loc[m], e.ms[m] - e.ms['plain forward']
+        fused = int(i.fused) if np.isfinite(i.get('fused', np.nan)) else 0
+        how = (f"{fused} of them by the fused kernel Inductor compiled once for this process (the first fused call took {i.first_call_s:.1f} s), "
+               f"the other {int(i.sketched) - fused} by the ATen passes" if fused else "each by about ten ATen passes the eager executor runs one by one")
+        return (f"{int(i.sketched)} tensors ({i.elements / 1e6:.1f} M elements) are sketched per forward in {added:.1f} ms "
+                f"({1e6 * added / max(i.elements, 1):.2f} ns per element) on top of a {e.ms['plain forward']:.1f} ms forward, " + how)
+    why['injected eager / plain eager'] = eager_why('injected (eager)') + (f"; self time beyond the matmuls: {top}" if top else '')
+    if 'injected (eager, fused kernel)' in e.index:
+        why['injected eager, fused kernel (opt-in) / plain eager'] = eager_why('injected (eager, fused kernel)')
+    for g, f in (('hooks + numpy / injected eager, same taps', False), ('hooks + numpy / injected eager with the fused kernel (opt-in), same taps', True)):
+        if f and 'injected (nn.Linear taps, fused kernel)' not in e.index: continue
+        ll = like_for_like(rep['eager'], fused=f)
+        why[g] = (f"on the same {ll['hook_taps']} nn.Linear taps, numpy on host copies adds {ll['hook_ms_per_tap']:.2f} ms "
+                  f"per tap and the injected sketch {ll['injected_ms_per_tap']:.2f} ms; the whole forwards differ by "
+                  f"{ll['whole_forward']:.2f}x, both holding the plain forward")
     if 'compiled' in rep:
         c = rep['compiled'].set_index('method')
         f, op, pl = c.loc['injected (compiled)'], c.loc['injected (compiled, opaque sketches)'], c.loc['plain forward (compiled)']
@@ -351,6 +371,9 @@ def goal_table(rep:dict)->pd.DataFrame:
     got = {'online 1-in-8 mean step / plain': o.nominal_ratio.get(8, np.nan),
            'injected eager / plain eager': e.ratio['injected (eager)'],
            'hooks + numpy / injected eager, same taps': like_for_like(rep['eager'])['hooks_vs_injected']}
+    if 'injected (eager, fused kernel)' in e.index:
+        got['injected eager, fused kernel (opt-in) / plain eager'] = e.ratio['injected (eager, fused kernel)']
+        got['hooks + numpy / injected eager with the fused kernel (opt-in), same taps'] = like_for_like(rep['eager'], fused=True)['hooks_vs_injected']
     if 'online_compiled' in rep:
         got['online 1-in-8 mean step / plain, compile=True'] = rep['online_compiled'].set_index('every').nominal_ratio.get(8, np.nan)
     if 'compiled' in rep:
@@ -362,6 +385,10 @@ def goal_table(rep:dict)->pd.DataFrame:
     added = lambda m: e.ms_median[m] - e.ms_median['plain forward']
     med = {'hooks + numpy / injected eager, same taps': added('hooks + numpy (nn.Linear taps)') / added('injected (nn.Linear taps)')}
     if 'ratio_median' in e: med['injected eager / plain eager'] = e.ratio_median['injected (eager)']
+    if 'injected (eager, fused kernel)' in e.index:
+        med['injected eager, fused kernel (opt-in) / plain eager'] = e.ratio_median['injected (eager, fused kernel)']
+        med['hooks + numpy / injected eager with the fused kernel (opt-in), same taps'] = (added('hooks + numpy (nn.Linear taps)')
+                                                                                            / added('injected (nn.Linear taps, fused kernel)'))
     if 'compiled' in rep:
         med['compiled injected / compiled plain'] = c.ms_median['injected (compiled)'] / c.ms_median['plain forward (compiled)']
     rows = [dict(goal=g, measured=got.get(g, np.nan), median=med.get(g, got.get(g, np.nan)), target=f'{op} {t}',

@@ -322,23 +322,31 @@ def _hist_eager(sample, absmax, bins):
     return _hist(torch.div(sample, absmax + 1e-12), bins), near
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-k0
-EAGER_KERNEL = os.environ.get('OPSCOPE_EAGER_KERNEL', 'auto')  # eager sketches: 'auto' runs CPU float32 taps of at least FUSED_MIN elements as one fused kernel (compiled once per process), 'aten' always the ATen passes, 'fused' the fused kernel for every float32 tap on any device
+EAGER_KERNEL = os.environ.get('OPSCOPE_EAGER_KERNEL', 'aten')  # eager sketches: 'aten' (default) the ATen passes; 'auto' one fused kernel, compiled once per process, for CPU float32 taps of at least FUSED_MIN elements; 'fused' that kernel for every float32 tap on any device
 FUSED_MIN = 1 << 16   # 'auto': smaller taps keep the ATen passes (they cost little, and a process that taps only small tensors never compiles)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-k1
 def _fused_passes(x, R:int, C:int, T:int, s:int, bins:int):
-    "`_raw_eager`'s parts from `x` flat (R·C float32 values): the compiled passes (`_passes_compiled`) and the sampled histogram, written for Inductor to fuse."
+    "`_raw_eager`'s parts from `x` flat (R·C float32 values), written for Inductor to fuse: vectorized compares, one row loop, one column loop, no shape that has a batch dimension (a batch of one would be a new size class)."
     x2 = x.view(R, C)
-    _, s1, s2, total, cmax, cmin, nz, energy, dots = _passes_compiled(x2, T)
-    dots = torch.cat([dots, dots.new_zeros(dots.shape[0], 1)], 1).view(-1)   # row-aligned like `_raw_eager`'s: 0 at a sequence's last row
-    sample = x[::s]
-    sample = torch.where(sample.abs() < math.inf, sample, 0.0)
+    fin = x2.abs() < math.inf
+    clean = torch.where(fin, x2, 0.0)
+    code = torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))     # 0, 1 at NaN, 2 at ±inf
+    last = torch.arange(R, device=x.device) % T == T - 1                  # row-aligned like `_raw_eager`'s: 0 at a sequence's last row
+    dots = torch.where(last, 0.0, (clean * clean.roll(-1, 0)).sum(-1))
+    cmax, cmin = clean.amax(0), clean.amin(0)
     mx, mn = cmax.max(), cmin.min()
-    hist, near = _hist_eager(sample, torch.maximum(mx, -mn), bins)
-    return (s1, s2, total, near, mx, mn), cmax, cmin, nz, energy, dots, hist
+    sample = x[::s]
+    hist, near = _hist_eager(torch.where(sample.abs() < math.inf, sample, 0.0), torch.maximum(mx, -mn), bins)
+    return ((code.sum(-1).sum(), (code * code).sum(-1).sum(), clean.sum(-1).sum(), near, mx, mn), cmax, cmin,
+            (clean != 0).to(x.dtype).sum(0), torch.linalg.vector_norm(clean, dim=-1), dots, hist)
 
-_fused_kernel = torch.compile(_fused_passes, dynamic=True, fullgraph=True)   # one kernel set for every shape (Dynamo recompiles only for a few size classes)
-_FUSED_ERROR = []   # the error that made the fused kernel unusable in this process (then every tap runs the ATen passes)
+_FUSED, _FUSED_ERROR = [], []   # the compiled kernel once made (not at import: it loads the compiler); the error that made it unusable in this process
+
+def _fused_kernel(*args):
+    "`_fused_passes` compiled with dynamic shapes, so one compiled kernel serves taps of every shape (Dynamo recompiles only for a few size classes)."
+    if not _FUSED: _FUSED.append(torch.compile(_fused_passes, dynamic=True, fullgraph=True))
+    return _FUSED[0](*args)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-k2
 def _use_fused(x:torch.Tensor, n:int)->bool:
@@ -351,9 +359,10 @@ def _dispatch_mode():
     return _get_current_dispatch_mode()
 
 def _raw_fused(x, R, C, T, s, bins):
-    "The fused kernel's parts for one eager tap, or None (with one warning per process) if it cannot be compiled here."
+    "The fused kernel's parts for one eager tap; None for the ATen passes: this tap's size class is one too many for Dynamo's recompile limit, or (with one warning per process) the kernel cannot be compiled here."
     try:
         with torch.no_grad(): return _fused_kernel(x.reshape(-1), R, C, T, s, bins)
+    except torch._dynamo.exc.FailOnRecompileLimitHit: return None   # the size classes already compiled keep running fused
     except Exception as e:   # no C++ compiler, an unsupported backend...: the ATen passes give the same sketch
         _FUSED_ERROR.append(e)
         warnings.warn(f"opscope: the fused eager sketch kernel failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "

@@ -109,7 +109,7 @@ def test_benchmark_tables():
     m, x = bench_model(1, 32, 8, 2, seed=47)
     tab = overhead_table(m, x, repeats=2)
     assert {'method', 'taps', 'ms', 'ms_median', 'ratio', 'first_call_s', 'fused'} <= set(tab.columns) and tab.ratio[0] == 1.0
-    i = tab.set_index('method').loc['injected (eager)']
+    i = tab.set_index('method').loc['injected (eager, fused kernel)']
     assert i.fused == 0 and i.sketched > 0 and (tab.first_call_s > 0).all()    # these taps are below FUSED_MIN
     ll = like_for_like(tab)
     assert ll['hook_taps'] == ll['injected_taps'] and ll['hooks_vs_injected'] > 0     # the same nn.Linear taps
@@ -122,22 +122,26 @@ def test_benchmark_tables():
 
 
 def test_fused_taps_counted_and_explained(monkeypatch):
-    "With every tap above FUSED_MIN the overhead table counts them all as fused, and the goal table's reason says so."
+    "With every tap above FUSED_MIN the fused-kernel rows count them all as fused (the default rows none), and the goal table's reasons say so."
     import opscope.inject as inject
     monkeypatch.setattr(inject, 'FUSED_MIN', 0)
     m, x = bench_model(1, 32, 8, 2, seed=48)
-    tab = overhead_table(m, x, repeats=1, ao=False)
-    i = tab.set_index('method').loc['injected (eager)']
-    assert i.fused == i.sketched > 0 and not inject._FUSED_ERROR
-    rep = dict(eager=tab, online=online_table(m, x, every=(8,), steps=8))
-    why = goal_table(rep).set_index('goal').why['injected eager / plain eager']
-    assert f'{int(i.sketched)} of them by the fused kernel' in why, why
+    tab = overhead_table(m, x, repeats=1, ao=False).set_index('method')
+    i, f = tab.loc['injected (eager)'], tab.loc['injected (eager, fused kernel)']
+    assert i.fused == 0 and f.fused == f.sketched == i.sketched > 0 and not inject._FUSED_ERROR
+    assert tab.loc['injected (nn.Linear taps, fused kernel)'].taps == tab.loc['injected (nn.Linear taps)'].taps
+    rep = dict(eager=tab.reset_index(), online=online_table(m, x, every=(8,), steps=8))
+    why = goal_table(rep).set_index('goal').why
+    assert f'{int(f.sketched)} of them by the fused kernel' in why['injected eager, fused kernel (opt-in) / plain eager']
+    assert 'ten ATen passes' in why['injected eager / plain eager']
+    ll, lf = like_for_like(rep['eager']), like_for_like(rep['eager'], fused=True)
+    assert ll['hook_taps'] == lf['injected_taps'] and ll['injected_ms_per_tap'] != lf['injected_ms_per_tap']
 
 
 def test_report_goals_and_cli_round_trip(tmp_path, cli):
     rep = bench_report(full=False, miner_rows=2000, repeats=2, compile=False)
     gt = goal_table(rep)
-    assert len(gt) == len(GOALS) and gt.met.notna().sum() == 3    # the compiled goals need compile=True
+    assert len(gt) == len(GOALS) and gt.met.notna().sum() == 5    # the compiled goals need compile=True
     save_report(rep, tmp_path / 'r.csv')
     back = load_report(tmp_path / 'r.csv')
     assert set(back) == set(rep)

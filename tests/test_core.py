@@ -255,7 +255,7 @@ def _with_kernel(monkeypatch, kernel, fn):
 
 
 def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
-    "The fused eager kernel (what 'auto' runs for big CPU float32 taps) gives the ATen passes' sketch: NaN, ±inf, zeros, one-row and one-sequence shapes, and a whole injected transformer; it runs where 'auto' says and compiles to one graph with no host read."
+    "The fused eager kernel (opt-in: what 'auto' runs for big CPU float32 taps) gives the ATen passes' sketch: NaN, ±inf, zeros, one-row and one-sequence shapes, and a whole injected transformer; it runs only where asked and compiles to one graph with no host read."
     from opscope import inject
     calls = []
     kernel = inject._fused_kernel
@@ -269,14 +269,15 @@ def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
         assert len(calls) == n + 1
         for name, a, b in zip(STATS, fused, aten): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True, msg=f'{shape} {name}')
     n = len(calls)
-    sketch(torch.randn(8, 96, 384)); sketch(torch.randn(4, 8, 16))     # 'auto': the big tap fused, the small one not
-    assert len(calls) == n + 1 and not inject._FUSED_ERROR
+    sketch(torch.randn(8, 96, 384)); assert len(calls) == n            # the default: the ATen passes
+    _with_kernel(monkeypatch, 'auto', lambda: (sketch(torch.randn(8, 96, 384)), sketch(torch.randn(4, 8, 16))))
+    assert len(calls) == n + 1 and not inject._FUSED_ERROR            # 'auto': the big tap fused, the small one not
     m = transformer(layers=1); x = example_input(m)
     monkeypatch.setattr(inject, 'FUSED_MIN', 0)
     gm = trace(m, x)
     with torch.no_grad():
-        n = len(calls); _, fused = inject_matmul_stats(gm)(x); assert len(calls) > n
-        _, aten = _with_kernel(monkeypatch, 'aten', lambda: inject_matmul_stats(gm)(x))
+        n = len(calls); _, fused = _with_kernel(monkeypatch, 'auto', lambda: inject_matmul_stats(gm)(x)); assert len(calls) > n
+        _, aten = inject_matmul_stats(gm)(x)
     assert fused.keys() == aten.keys()
     for k in fused: torch.testing.assert_close(fused[k], aten[k], rtol=1e-4, atol=1e-4, equal_nan=True, msg=k)
     R, C, T = 768, 384, 96
@@ -315,3 +316,24 @@ def test_fused_eager_kernel_off_under_dispatch_modes(monkeypatch):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None): return func(*args, **(kwargs or {}))
     with Count(): s = _with_kernel(monkeypatch, 'fused', lambda: sketch(torch.randn(8, 96, 384)))
     assert not calls and len(s) == len(STATS)
+
+
+def test_fused_eager_kernel_past_the_recompile_limit(monkeypatch):
+    "A size class past Dynamo's recompile limit runs the ATen passes for that tap, with no warning, and the kernel stays on; a batch of one is no new size class."
+    from opscope import inject
+    from torch._dynamo.utils import counters
+    import warnings
+    x = torch.randn(8, 96, 384)
+    want = sketch(x)
+    _with_kernel(monkeypatch, 'fused', lambda: sketch(torch.randn(1, 96, 384)))
+    graphs = counters['stats']['unique_graphs']
+    _with_kernel(monkeypatch, 'fused', lambda: sketch(torch.randn(4, 96, 384)))
+    assert counters['stats']['unique_graphs'] == graphs            # batch 1 and 4 share the compiled kernel
+    def limit(*a): raise torch._dynamo.exc.FailOnRecompileLimitHit('recompile_limit reached')
+    monkeypatch.setattr(inject, '_fused_kernel', limit)
+    monkeypatch.setattr(inject, '_FUSED_ERROR', [])
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        got = _with_kernel(monkeypatch, 'fused', lambda: sketch(x))
+    assert not inject._FUSED_ERROR
+    for name, a, b in zip(STATS, got, want): torch.testing.assert_close(a, b, equal_nan=True, msg=name)
