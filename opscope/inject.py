@@ -361,7 +361,7 @@ def _dispatch_mode():
 def _raw_fused(x, R, C, T, s, bins):
     "The fused kernel's parts for one eager tap; None for the ATen passes: this tap's size class is one too many for Dynamo's recompile limit, or (with one warning per process) the kernel cannot be compiled here."
     try:
-        with torch.no_grad(): return _fused_kernel(x.reshape(-1), R, C, T, s, bins)
+        with torch.no_grad(): return _fused_kernel(x.reshape(-1).detach(), R, C, T, s, bins)   # detached: no view base whose batch size Dynamo would guard
     except torch._dynamo.exc.FailOnRecompileLimitHit: return None   # the size classes already compiled keep running fused
     except Exception as e:   # no C++ compiler, an unsupported backend...: the ATen passes give the same sketch
         _FUSED_ERROR.append(e)

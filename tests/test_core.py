@@ -255,13 +255,13 @@ def _with_kernel(monkeypatch, kernel, fn):
 
 
 def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
-    "The fused eager kernel (opt-in: what 'auto' runs for big CPU float32 taps) gives the ATen passes' sketch: NaN, ±inf, zeros, one-row and one-sequence shapes, and a whole injected transformer; it runs only where asked and compiles to one graph with no host read."
+    "The fused eager kernel (opt-in: what 'auto' runs for big CPU float32 taps) gives the ATen passes' sketch: NaN, ±inf, zeros, short sequences, and a whole injected transformer; it runs only where asked and compiles to one graph with no host read."
     from opscope import inject
     calls = []
     kernel = inject._fused_kernel
     monkeypatch.setattr(inject, '_fused_kernel', lambda *a: calls.append(a[1:4]) or kernel(*a))
     g = torch.Generator().manual_seed(11)
-    for shape in ((8, 96, 384), (1, 300, 384), (3, 7, 1000)):
+    for shape in ((8, 96, 384), (10, 7, 1000)):
         x = torch.randn(shape, generator=g)
         x.view(-1)[::97], x.view(-1)[5::199], x.view(-1)[7::299], x.view(-1)[1::3] = float('nan'), float('inf'), -float('inf'), 0.
         n = len(calls)
@@ -272,8 +272,8 @@ def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
     sketch(torch.randn(8, 96, 384)); assert len(calls) == n            # the default: the ATen passes
     _with_kernel(monkeypatch, 'auto', lambda: (sketch(torch.randn(8, 96, 384)), sketch(torch.randn(4, 8, 16))))
     assert len(calls) == n + 1 and not inject._FUSED_ERROR            # 'auto': the big tap fused, the small one not
-    m = transformer(layers=1); x = example_input(m)
-    monkeypatch.setattr(inject, 'FUSED_MIN', 0)
+    m, x = transformer(layers=1, d=128, heads=2), make_tensor('gaussian', (8, 64, 128), seed=3)   # taps of 65,536 elements and more
+    x[0, 3, :5] = float('nan')
     gm = trace(m, x)
     with torch.no_grad():
         n = len(calls); _, fused = _with_kernel(monkeypatch, 'auto', lambda: inject_matmul_stats(gm)(x)); assert len(calls) > n
@@ -319,16 +319,18 @@ def test_fused_eager_kernel_off_under_dispatch_modes(monkeypatch):
 
 
 def test_fused_eager_kernel_past_the_recompile_limit(monkeypatch):
-    "A size class past Dynamo's recompile limit runs the ATen passes for that tap, with no warning, and the kernel stays on; a batch of one is no new size class."
+    "A size class past Dynamo's recompile limit runs the ATen passes for that tap, with no warning, and the kernel stays on; a batch of one is no new size class, and its sketch is the ATen passes'."
     from opscope import inject
     from torch._dynamo.utils import counters
     import warnings
     x = torch.randn(8, 96, 384)
     want = sketch(x)
-    _with_kernel(monkeypatch, 'fused', lambda: sketch(torch.randn(1, 96, 384)))
-    graphs = counters['stats']['unique_graphs']
+    one = x[:1].clone()
     _with_kernel(monkeypatch, 'fused', lambda: sketch(torch.randn(4, 96, 384)))
-    assert counters['stats']['unique_graphs'] == graphs            # batch 1 and 4 share the compiled kernel
+    graphs = counters['stats']['unique_graphs']
+    for name, a, b in zip(STATS, _with_kernel(monkeypatch, 'fused', lambda: sketch(one)), sketch(one)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True, msg=name)
+    assert counters['stats']['unique_graphs'] == graphs            # a batch of one shares batch 4's compiled kernel
     def limit(*a): raise torch._dynamo.exc.FailOnRecompileLimitHit('recompile_limit reached')
     monkeypatch.setattr(inject, '_fused_kernel', limit)
     monkeypatch.setattr(inject, '_FUSED_ERROR', [])
