@@ -129,18 +129,18 @@ def _warm_compiler(x):
     _compiled(lambda t: torch.relu(t * 2 + 1).sum(-1), x)
 
 @contextlib.contextmanager
-def _kernels(mode:str):
-    "Compile and run sketches with `inject.SKETCH_KERNELS = mode` ('inductor' or 'op') inside the block."
-    old, inject.SKETCH_KERNELS = inject.SKETCH_KERNELS, mode
+def _settings(**kw):
+    "Run the block with `inject`'s module settings (`SKETCH_KERNELS`, `EAGER_KERNEL`) set as given."
+    old = {k: getattr(inject, k) for k in kw}
+    for k, v in kw.items(): setattr(inject, k, v)
     try: yield
-    finally: inject.SKETCH_KERNELS = old
+    finally:
+        for k, v in old.items(): setattr(inject, k, v)
 
 def _fused(f):
     "`f` run with `inject.EAGER_KERNEL = 'auto'`: eager sketches of big CPU taps by the fused kernel."
     def g():
-        old, inject.EAGER_KERNEL = inject.EAGER_KERNEL, 'auto'
-        try: return f()
-        finally: inject.EAGER_KERNEL = old
+        with _settings(EAGER_KERNEL='auto'): return f()
     return g
 
 # %% ../nbs/11_bench.ipynb #b015ench-s3
@@ -148,8 +148,8 @@ def _sketched(inj, kernel:str=None)->dict:
     "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `inject.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), and their distinct shapes (one fused kernel each under torch.compile)."
     man = inj.manifest[~inj.manifest.static].drop_duplicates('tensor')
     shapes = {meta_shape(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
-    k = 'aten' if inject._FUSED_ERROR else kernel or inject.EAGER_KERNEL
-    fused = int((man.numel >= inject.FUSED_MIN).sum()) if k == 'auto' else len(man) if k == 'fused' else 0
+    probe = torch.empty(0)   # a float32 CPU tensor like the bench models' taps
+    fused = sum(inject._use_fused(probe, n, kernel) for n in man.numel.fillna(0))
     return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, shapes=len(shapes))
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2
@@ -180,9 +180,9 @@ def overhead_table(model:nn.Module, # the model to measure
             _warm_compiler(x)
             cp, *tp = _compiled(gm, x)
             ci, *ti = _compiled(inj, x, compile_injected)
-            with _kernels('op'): co, *to = _compiled(inj, x, compile_injected)
+            with _settings(SKETCH_KERNELS='op'): co, *to = _compiled(inj, x, compile_injected)
             def opaque():
-                with _kernels('op'): return co(x)
+                with _settings(SKETCH_KERNELS='op'): return co(x)
             methods.update({'plain forward (compiled)': (lambda: cp(x), 0), 'injected (compiled)': (lambda: ci(x), n_taps),
                             'injected (compiled, opaque sketches)': (opaque, n_taps)})
             breaks = lambda f: torch._dynamo.explain(f)(x).graph_break_count

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from .tables import InputError
 
 # %% auto #0
@@ -327,19 +328,11 @@ FUSED_MIN = 1 << 16   # 'auto': smaller taps keep the ATen passes (they cost lit
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-k1
 def _fused_passes(x, R:int, C:int, T:int, s:int, bins:int):
-    "`_raw_eager`'s parts from `x` flat (R·C float32 values), written for Inductor to fuse: vectorized compares, one row loop, one column loop, no shape that has a batch dimension (a batch of one would be a new size class)."
-    x2 = x.view(R, C)
-    fin = x2.abs() < math.inf
-    clean = torch.where(fin, x2, 0.0)
-    code = torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))     # 0, 1 at NaN, 2 at ±inf
-    last = torch.arange(R, device=x.device) % T == T - 1                  # row-aligned like `_raw_eager`'s: 0 at a sequence's last row
-    dots = torch.where(last, 0.0, (clean * clean.roll(-1, 0)).sum(-1))
-    cmax, cmin = clean.amax(0), clean.amin(0)
+    "`_raw_eager`'s parts from `x` flat (R·C float32 values) by the compiler's passes (`_passes_compiled`) and the sampled histogram: one row loop, one column loop once Inductor fuses them."
+    clean, s1, s2, total, cmax, cmin, nz, energy, dots = _passes_compiled(x.view(R, C), T)
     mx, mn = cmax.max(), cmin.min()
-    sample = x[::s]
-    hist, near = _hist_eager(torch.where(sample.abs() < math.inf, sample, 0.0), torch.maximum(mx, -mn), bins)
-    return ((code.sum(-1).sum(), (code * code).sum(-1).sum(), clean.sum(-1).sum(), near, mx, mn), cmax, cmin,
-            (clean != 0).to(x.dtype).sum(0), torch.linalg.vector_norm(clean, dim=-1), dots, hist)
+    hist, near = _hist_eager(clean.view(-1)[::s], torch.maximum(mx, -mn), bins)
+    return (s1, s2, total, near, mx, mn), cmax, cmin, nz, energy, dots, hist
 
 _FUSED, _FUSED_ERROR = [], []   # the compiled kernel once made (not at import: it loads the compiler); the error that made it unusable in this process
 
@@ -349,14 +342,11 @@ def _fused_kernel(*args):
     return _FUSED[0](*args)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-k2
-def _use_fused(x:torch.Tensor, n:int)->bool:
-    "Whether an eager tap of `n` elements runs the fused kernel (`EAGER_KERNEL`): never under a dispatch mode (a profiler or counter that wants to see the ATen ops) or after the kernel failed."
-    if EAGER_KERNEL == 'aten' or _FUSED_ERROR or x.dtype != torch.float32 or _dispatch_mode() is not None: return False
-    return EAGER_KERNEL == 'fused' or (x.device.type == 'cpu' and n >= FUSED_MIN)
-
-def _dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    return _get_current_dispatch_mode()
+def _use_fused(x:torch.Tensor, n:int, kernel:str=None)->bool:
+    "Whether an eager tap like `x` of `n` elements runs the fused kernel with `EAGER_KERNEL = kernel` (default: the current one): never under a dispatch mode (a profiler or counter that wants to see the ATen ops) or after the kernel failed."
+    kernel = kernel or EAGER_KERNEL
+    if kernel == 'aten' or _FUSED_ERROR or x.dtype != torch.float32 or _get_current_dispatch_mode() is not None: return False
+    return kernel == 'fused' or (x.device.type == 'cpu' and n >= FUSED_MIN)
 
 def _raw_fused(x, R, C, T, s, bins):
     "The fused kernel's parts for one eager tap; None for the ATen passes: this tap's size class is one too many for Dynamo's recompile limit, or (with one warning per process) the kernel cannot be compiled here."
@@ -371,11 +361,12 @@ def _raw_fused(x, R, C, T, s, bins):
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s3
 def _passes_compiled(x2, T):
-    "The same passes under `torch.compile`: vectorized compares (Inductor's CPU isnan is a scalar loop), per-row sums and a shifted read, all fusable into one row loop."
+    "The same passes written for a compiler: vectorized compares (Inductor's CPU isnan is a scalar loop), per-row sums and a shifted read, all fusable into one row loop, and `dots` row-aligned like `_raw_eager`'s (no shape with a batch dimension)."
     fin = x2.abs() < math.inf
     clean = torch.where(fin, x2, 0.0)
-    code = torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))
-    dots = (clean * clean.roll(-1, 0)).sum(-1).reshape(-1, T)[:, :-1]
+    code = torch.where(fin, 0.0, torch.where(x2 == x2, 2.0, 1.0))     # 0, 1 at NaN, 2 at ±inf
+    last = torch.arange(x2.shape[0], device=x2.device) % T == T - 1       # 0 at a sequence's last row
+    dots = torch.where(last, 0.0, (clean * clean.roll(-1, 0)).sum(-1))
     return (clean, code.sum(-1).sum(), (code * code).sum(-1).sum(), clean.sum(-1).sum(), clean.amax(0), clean.amin(0),
             (clean != 0).to(clean.dtype).sum(0), torch.linalg.vector_norm(clean, dim=-1), dots)
 
@@ -402,8 +393,7 @@ def _packed_traced(x:torch.Tensor, bins:int=64)->torch.Tensor:
     clean, s1, s2, total, cmax, cmin, nz, row_energy, dots = _passes_compiled(x2, T)
     chan_absmax = torch.maximum(cmax, -cmin)
     absmax = chan_absmax.max()
-    e = row_energy.reshape(-1, T)
-    adj_cos = (dots / (e[:, 1:] * e[:, :-1]).clamp_min(1e-30)).mean()
+    adj_cos = (dots[:-1] / (row_energy[:-1] * row_energy[1:]).clamp_min(1e-30)).sum() / ((R // T) * (T - 1))   # NaN without pairs
     sample = clean.reshape(-1)[::sample_stride(n, C)]
     hist = _hist(sample / (absmax + 1e-12), bins)
     nearzero = (sample.abs() <= NEARZERO_REL * absmax).to(clean.dtype).mean()
