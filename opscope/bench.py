@@ -72,22 +72,50 @@ def _np_sketch(a, bins=64):
                 chan_absmax=np.abs(clean).max(0), chan_density=(clean != 0).mean(0), row_energy=re,
                 hist=np.histogram(sample / (absmax + 1e-12), bins, (-1, 1))[0])
 
+# %% ../nbs/11_bench.ipynb #b012ench-t
+def _np_sketch_tuned(a, bins=64):
+    "`_np_sketch`'s set written for speed: no cleaned copy when every value is finite, einsum for row energies and adjacent dots, the scalars from per-row and per-channel reductions, bincount for the histogram."
+    T = a.shape[-2] if a.ndim >= 2 else 1
+    a = np.asarray(a, dtype=np.float32).reshape(-1, a.shape[-1] if a.ndim else 1)
+    n, C = a.size, a.shape[1]
+    fin = np.isfinite(a)
+    if fin.all(): clean, nan, inf = a, 0, 0          # the common case: one pass, no copy
+    else:
+        clean, nan = np.where(fin, a, np.float32(0)), int(np.isnan(a).sum())
+        inf = n - int(np.count_nonzero(fin)) - nan
+    cmax, cmin = clean.max(0), clean.min(0)
+    mx, mn = cmax.max(), cmin.min()
+    absmax = max(mx, -mn)
+    e2 = np.einsum('ij,ij->i', clean, clean)
+    re = np.sqrt(e2)
+    r, e = clean.reshape(-1, T, C), re.reshape(-1, T)
+    cos = (np.einsum('btc,btc->bt', r[:, 1:], r[:, :-1]) / np.maximum(e[:, 1:] * e[:, :-1], 1e-30)).ravel()
+    mean, ms = clean.sum(dtype=np.float64) / n, e2.sum(dtype=np.float64) / n
+    nz = np.count_nonzero(clean, axis=0)
+    sample = clean.reshape(-1)[::sample_stride(n, C)]
+    v = sample / (absmax + 1e-12)
+    return dict(numel=n, min=mn, max=mx, mean=mean, std=np.sqrt(max(ms - mean * mean, 0)), absmax=absmax,
+                rms=np.sqrt(ms), density=nz.sum() / n, nearzero=(np.abs(sample) <= NEARZERO_REL * absmax).mean(),
+                nan_count=nan, inf_count=inf, adj_cos=cos.mean() if len(cos) else np.nan,
+                chan_absmax=np.maximum(cmax, -cmin), chan_density=nz / clean.shape[0], row_energy=re,
+                hist=np.bincount(np.clip(((v + 1) * (bins / 2)).astype(np.int64), 0, bins - 1), minlength=bins))
+
 # %% ../nbs/11_bench.ipynb #b012ench-s1
 def _hooks(model, fn):
     "Register `fn(module, inputs, output)` on every nn.Linear; returns the handles."
     return [m.register_forward_hook(fn) for m in model.modules() if isinstance(m, nn.Linear)]
 
 # %% ../nbs/11_bench.ipynb #b012ench-s2
-def _numpy_hook(store:dict, wcache:dict):
-    "A hook sketching lhs and out of each call with numpy on host copies: a tensor already sketched in this forward (q, k and v read one input) once, a weight once per change."
+def _numpy_hook(store:dict, wcache:dict, sk=_np_sketch):
+    "A hook sketching lhs and out of each call with `sk` (numpy) on host copies: a tensor already sketched in this forward (q, k and v read one input) once, a weight once per change. `store` holds each sketched tensor until it is cleared, so no later tensor reuses its memory and looks sketched."
     def np_sketch(t):
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
-        if key not in store: store[key] = _np_sketch(t.detach().cpu().numpy())
-        return store[key]
+        if key not in store: store[key] = (t, sk(t.detach().cpu().numpy()))
+        return store[key][1]
     def hook(mod, inp, out):
         w = mod.weight
         key = (w._version, w.data_ptr())
-        if wcache.get(id(w), (None,))[0] != key: wcache[id(w)] = (key, _np_sketch(w.detach().cpu().numpy()))
+        if wcache.get(id(w), (None,))[0] != key: wcache[id(w)] = (key, sk(w.detach().cpu().numpy()))
         np_sketch(inp[0]), np_sketch(out)
     return hook
 
@@ -159,15 +187,17 @@ def overhead_table(model:nn.Module, # the model to measure
                    compile:bool=False, # also time torch.compile of the plain and the injected graph (Inductor-fused and opaque sketches)
                    ao:bool=True, # include torch.ao's observers
                   )->pd.DataFrame:
-    "Per method: taps covered, ms per forward (min and median over repeats), ratio to the plain forward (of the minima and of the medians), the seconds of its first call, compile seconds (cold and from a warm cache), graph breaks, and what an injected graph sketches."
+    "Per method: taps covered, ms per forward (min and median over repeats), ratio to the plain forward (of the minima and of the medians), the seconds of its first call, compile seconds (cold and from a warm cache), graph breaks, and what an injected graph or the hooks sketch per forward."
     gm = trace(model, x)
     inj, inj_nc = inject_matmul_stats(gm), inject_matmul_stats(gm, cache_weights=False)
     inj_lin = inject_matmul_stats(gm, sites=lambda s: s.op == 'linear')
     n_taps, n_lin = len(inj.manifest), 3 * sum(isinstance(m, nn.Linear) for m in model.modules())
-    store, wcache = {}, {}
+    stores = {k: ({}, {}) for k in ('naive', 'tuned')}   # per hook flavour: this forward's tensor sketches, the weight sketches
+    hooked = lambda k, sk: lambda: (stores[k][0].clear(), _hooked(model, x, _numpy_hook(*stores[k], sk)))
     methods = {'plain forward': (lambda: gm(x), 0), 'injected (eager)': (lambda: inj(x), n_taps),
                'injected, weights re-sketched': (lambda: inj_nc(x), n_taps),
-               'hooks + numpy (nn.Linear taps)': (lambda: (store.clear(), _hooked(model, x, _numpy_hook(store, wcache))), n_lin),
+               'hooks + numpy (nn.Linear taps)': (hooked('naive', _np_sketch), n_lin),
+               'hooks + numpy, tuned (nn.Linear taps)': (hooked('tuned', _np_sketch_tuned), n_lin),
                'injected (nn.Linear taps)': (lambda: inj_lin(x), len(inj_lin.manifest)),
                'injected (eager, fused kernel)': (_fused(lambda: inj(x)), n_taps),
                'injected (nn.Linear taps, fused kernel)': (_fused(lambda: inj_lin(x)), len(inj_lin.manifest))}
@@ -195,19 +225,25 @@ def overhead_table(model:nn.Module, # the model to measure
     for k, g, kernel in (('injected (eager)', inj, None), ('injected (nn.Linear taps)', inj_lin, None),
                          ('injected (eager, fused kernel)', inj, 'auto'), ('injected (nn.Linear taps, fused kernel)', inj_lin, 'auto')):
         extra.setdefault(k, {}).update(_sketched(g, kernel))
+    for k, f in (('hooks + numpy (nn.Linear taps)', 'naive'), ('hooks + numpy, tuned (nn.Linear taps)', 'tuned')):   # what the last forward sketched
+        extra[k] = dict(sketched=len(stores[f][0]), elements=float(sum(t.numel() for t, _ in stores[f][0].values())))
     return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=1e3 * min(v), ms_median=1e3 * float(np.median(v)),
                               ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), first_call_s=first[k][0], **extra.get(k, {}))
                          for k, v in times.items()])
 
 # %% ../nbs/11_bench.ipynb #b018ench
+def _count(v): return int(v) if v is not None and np.isfinite(v) else None   # a count column of a report (None where a run did not measure it)
+
 def like_for_like(tab:pd.DataFrame, # from `overhead_table`
                   fused:bool=False, # the injected graph with the fused eager kernel (`inject.EAGER_KERNEL = 'auto'`) instead of the default
+                  tuned:bool=False, # the hooks with `_np_sketch_tuned` instead of `_np_sketch`
                  )->dict:
-    "Hooks + numpy vs the injected graph on the same nn.Linear taps: the ratio of the time each adds to the plain forward, each one's ms per tap, and the ratio of the whole forwards."
+    "Hooks + numpy vs the injected graph on the same nn.Linear taps: the ratio of the time each adds to the plain forward, the tensors each sketched per forward, each one's ms per tap, and the ratio of the whole forwards."
     t = tab.set_index('method')
-    h, i = t.loc['hooks + numpy (nn.Linear taps)'], t.loc['injected (nn.Linear taps, fused kernel)' if fused else 'injected (nn.Linear taps)']
+    h, i = t.loc['hooks + numpy, tuned (nn.Linear taps)' if tuned else 'hooks + numpy (nn.Linear taps)'], t.loc['injected (nn.Linear taps, fused kernel)' if fused else 'injected (nn.Linear taps)']
     added = lambda r: r.ms - t.loc['plain forward'].ms      # what the method adds to the plain forward, in ms
     return dict(hooks_vs_injected=added(h) / added(i), whole_forward=h.ms / i.ms, hook_taps=int(h.taps), injected_taps=int(i.taps),
+                hook_tensors=_count(h.get('sketched')), injected_tensors=_count(i.get('sketched')),
                 hook_ms_per_tap=added(h) / h.taps, injected_ms_per_tap=added(i) / i.taps)
 
 # %% ../nbs/11_bench.ipynb #b021ench
@@ -304,7 +340,11 @@ GOALS = (('online 1-in-8 mean step / plain', 1.10, '<='), ('online 1-in-8 mean s
          ('compile time injected / plain', 2.0, '<='), ('graph breaks (injected, compiled)', 0, '<='),
          ('injected eager / plain eager', 1.5, '<='), ('hooks + numpy / injected eager, same taps', 3.0, '>='),
          ('injected eager, fused kernel (opt-in) / plain eager', 1.5, '<='),
-         ('hooks + numpy / injected eager with the fused kernel (opt-in), same taps', 3.0, '>='))
+         ('hooks + numpy / injected eager with the fused kernel (opt-in), same taps', 3.0, '>='),
+         ('hooks + numpy, tuned / injected eager, same taps', 3.0, '>='))
+_HOOK_GOALS = {'hooks + numpy / injected eager, same taps': dict(fused=False, tuned=False),   # goal -> `like_for_like`'s arguments
+               'hooks + numpy / injected eager with the fused kernel (opt-in), same taps': dict(fused=True, tuned=False),
+               'hooks + numpy, tuned / injected eager, same taps': dict(fused=False, tuned=True)}
 
 def bench_report(full:bool=False, # the goal sizes (minutes, compiles) instead of the small ones
                  miner_rows:int=None, # rows for the miner throughput (default 10^7 full, 3·10^4 small)
@@ -346,12 +386,15 @@ def _reasons(rep, got):
     why['injected eager / plain eager'] = eager_why('injected (eager)') + (f"; self time beyond the matmuls: {top}" if top else '')
     if 'injected (eager, fused kernel)' in e.index:
         why['injected eager, fused kernel (opt-in) / plain eager'] = eager_why('injected (eager, fused kernel)')
-    for g, f in (('hooks + numpy / injected eager, same taps', False), ('hooks + numpy / injected eager with the fused kernel (opt-in), same taps', True)):
-        if f and 'injected (nn.Linear taps, fused kernel)' not in e.index: continue
-        ll = like_for_like(rep['eager'], fused=f)
-        why[g] = (f"on the same {ll['hook_taps']} nn.Linear taps, numpy on host copies adds {ll['hook_ms_per_tap']:.2f} ms "
+    for g, kw in _HOOK_GOALS.items():
+        if g not in got: continue
+        ll = like_for_like(rep['eager'], **kw)
+        why[g] = (f"on the same {ll['hook_taps']} nn.Linear taps ({ll['hook_tensors']} tensors sketched per forward by each), "
+                  f"{'tuned ' if kw['tuned'] else ''}numpy on host copies adds {ll['hook_ms_per_tap']:.2f} ms "
                   f"per tap and the injected sketch {ll['injected_ms_per_tap']:.2f} ms; the whole forwards differ by "
-                  f"{ll['whole_forward']:.2f}x, both holding the plain forward")
+                  f"{ll['whole_forward']:.2f}x, both holding the plain forward"
+                  + ("; the tuned sketch skips the cleaning copy and the NaN / inf counts when every value is finite, "
+                     "a branch on the data that the injected graph cannot take without a device sync" if kw['tuned'] else ''))
     if 'compiled' in rep:
         c = rep['compiled'].set_index('method')
         f, op, pl = c.loc['injected (compiled)'], c.loc['injected (compiled, opaque sketches)'], c.loc['plain forward (compiled)']
@@ -369,11 +412,13 @@ def goal_table(rep:dict)->pd.DataFrame:
     "Each goal's measured figure (of the fastest repeats) and the same from the medians, target, whether it is met, and why the figure is where it is."
     e, o = rep['eager'].set_index('method'), rep['online'].set_index('every')
     got = {'online 1-in-8 mean step / plain': o.nominal_ratio.get(8, np.nan),
-           'injected eager / plain eager': e.ratio['injected (eager)'],
-           'hooks + numpy / injected eager, same taps': like_for_like(rep['eager'])['hooks_vs_injected']}
+           'injected eager / plain eager': e.ratio['injected (eager)']}
+    pair = lambda kw: ('hooks + numpy, tuned (nn.Linear taps)' if kw['tuned'] else 'hooks + numpy (nn.Linear taps)',
+                       'injected (nn.Linear taps, fused kernel)' if kw['fused'] else 'injected (nn.Linear taps)')
+    hooks = {g: kw for g, kw in _HOOK_GOALS.items() if set(pair(kw)) <= set(e.index)}   # the rows this run measured
+    got.update({g: like_for_like(rep['eager'], **kw)['hooks_vs_injected'] for g, kw in hooks.items()})
     if 'injected (eager, fused kernel)' in e.index:
         got['injected eager, fused kernel (opt-in) / plain eager'] = e.ratio['injected (eager, fused kernel)']
-        got['hooks + numpy / injected eager with the fused kernel (opt-in), same taps'] = like_for_like(rep['eager'], fused=True)['hooks_vs_injected']
     if 'online_compiled' in rep:
         got['online 1-in-8 mean step / plain, compile=True'] = rep['online_compiled'].set_index('every').nominal_ratio.get(8, np.nan)
     if 'compiled' in rep:
@@ -383,12 +428,10 @@ def goal_table(rep:dict)->pd.DataFrame:
         got['graph breaks (injected, compiled)'] = c.graph_breaks['injected (compiled)']
     why = _reasons(rep, got)
     added = lambda m: e.ms_median[m] - e.ms_median['plain forward']
-    med = {'hooks + numpy / injected eager, same taps': added('hooks + numpy (nn.Linear taps)') / added('injected (nn.Linear taps)')}
+    med = {g: added(pair(kw)[0]) / added(pair(kw)[1]) for g, kw in hooks.items()}
     if 'ratio_median' in e: med['injected eager / plain eager'] = e.ratio_median['injected (eager)']
     if 'injected (eager, fused kernel)' in e.index:
         med['injected eager, fused kernel (opt-in) / plain eager'] = e.ratio_median['injected (eager, fused kernel)']
-        med['hooks + numpy / injected eager with the fused kernel (opt-in), same taps'] = (added('hooks + numpy (nn.Linear taps)')
-                                                                                            / added('injected (nn.Linear taps, fused kernel)'))
     if 'compiled' in rep:
         med['compiled injected / compiled plain'] = c.ms_median['injected (compiled)'] / c.ms_median['plain forward (compiled)']
     rows = [dict(goal=g, measured=got.get(g, np.nan), median=med.get(g, got.get(g, np.nan)), target=f'{op} {t}',

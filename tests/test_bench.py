@@ -10,7 +10,7 @@ import opscope.online as online
 import opscope.recorder as recorder
 from opscope.bench import (bench_model, hist_sample_error, overhead_table, online_table, like_for_like, sketch_profile,
                            miner_throughput, bench_report, goal_table, save_report, load_report, GOALS)
-from opscope.inject import trace, inject_matmul_stats, compile_injected, STATS
+from opscope.inject import trace, inject_matmul_stats, compile_injected, STATS, sketch as inject_sketch
 from opscope.online import OnlineRecorder
 from opscope.zoo import mlp, transformer, make_tensor
 
@@ -111,14 +111,33 @@ def test_benchmark_tables():
     assert {'method', 'taps', 'ms', 'ms_median', 'ratio', 'first_call_s', 'fused'} <= set(tab.columns) and tab.ratio[0] == 1.0
     i = tab.set_index('method').loc['injected (eager, fused kernel)']
     assert i.fused == 0 and i.sketched > 0 and (tab.first_call_s > 0).all()    # these taps are below FUSED_MIN
-    ll = like_for_like(tab)
+    ll, lt = like_for_like(tab), like_for_like(tab, tuned=True)
     assert ll['hook_taps'] == ll['injected_taps'] and ll['hooks_vs_injected'] > 0     # the same nn.Linear taps
+    assert ll['hook_tensors'] == ll['injected_tensors'] == lt['hook_tensors'] > 0     # and the same tensors sketched per forward
     ot = online_table(m, x, every=(2,), steps=8)
     assert ot.every.tolist() == [2] and ot.dropped[0] == 0 and ot.held_kib[0] > 0
     assert list(sketch_profile(m, x, calls=1, top=5).columns) == ['op', 'ms', 'calls', 'share']
     assert (hist_sample_error((64, 64)).tv_distance >= 0).all()
     mt = miner_throughput(3000)
     assert mt.engine.tolist() == ['pandas', 'duckdb'] and (mt.rows >= 3000).all() and (mt.findings > 0).all()
+
+
+def test_numpy_hooks_sketch_every_tensor_of_a_forward():
+    "The hooks + numpy baseline sketches each tensor of a forward once, even where the allocator reuses a freed tensor's memory for the next one of its shape (keyed on the address alone, those looked sketched already); both numpy sketches agree with the injected sketch."
+    from opscope.bench import _numpy_hook, _hooks, _np_sketch, _np_sketch_tuned
+    torch.manual_seed(49)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)])
+    x = torch.randn(16, 32)
+    for sk in (_np_sketch, _np_sketch_tuned):
+        store = {}
+        hs = _hooks(m, _numpy_hook(store, {}, sk))
+        with torch.no_grad(): m(x)
+        for h in hs: h.remove()
+        assert len(store) == 8    # x, three ReLU outputs, four Linear outputs
+        for t, got in store.values():
+            ref = dict(zip(STATS, (v.double().numpy() for v in inject_sketch(t))))
+            for k in ('max', 'mean', 'density', 'adj_cos', 'chan_absmax', 'row_energy', 'hist'):
+                np.testing.assert_allclose(np.asarray(got[k], np.float64), ref[k], rtol=1e-4, atol=1e-5)
 
 
 def test_fused_taps_counted_and_explained(monkeypatch):
@@ -141,7 +160,8 @@ def test_fused_taps_counted_and_explained(monkeypatch):
 def test_report_goals_and_cli_round_trip(tmp_path, cli):
     rep = bench_report(full=False, miner_rows=2000, repeats=2, compile=False)
     gt = goal_table(rep)
-    assert len(gt) == len(GOALS) and gt.met.notna().sum() == 5    # the compiled goals need compile=True
+    assert len(gt) == len(GOALS) and gt.met.notna().sum() == 6    # the compiled goals need compile=True
+    assert 'branch on the data' in gt.set_index('goal').why['hooks + numpy, tuned / injected eager, same taps']
     save_report(rep, tmp_path / 'r.csv')
     back = load_report(tmp_path / 'r.csv')
     assert set(back) == set(rep)
