@@ -172,10 +172,16 @@ def _fused(f):
     return g
 
 # %% ../nbs/11_bench.ipynb #b015ench-s3
+def _layout_of(node)->tuple:
+    "A graph node's tensor (shape, strides) from its metadata: what a nested compile region is keyed on (the same shape with other strides is a region of its own)."
+    tm, v = node.meta.get('tensor_meta'), node.meta.get('val')
+    stride = tm.stride if tm is not None and hasattr(tm, 'stride') else v.stride() if isinstance(v, torch.Tensor) else ()
+    return meta_shape(node), tuple(inject._hint(d) for d in stride)
+
 def _sketched(inj, kernel:str=None)->dict:
-    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `inject.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), and their distinct shapes (one fused kernel each under torch.compile)."
+    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `inject.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), and their distinct shapes and memory layouts (one nested compile region, so one fused kernel, each under torch.compile)."
     man = inj.manifest[~inj.manifest.static].drop_duplicates('tensor')
-    shapes = {meta_shape(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
+    shapes = {_layout_of(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
     probe = torch.empty(0)   # a float32 CPU tensor like the bench models' taps
     fused = sum(inject._use_fused(probe, n, kernel) for n in man.numel.fillna(0))
     return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, shapes=len(shapes))
@@ -402,7 +408,7 @@ def _reasons(rep, got):
                                                      f"(eager kernels) {op.ms - pl.ms:.1f} ms")
         why['compile time injected / plain'] = (f"{f.compile_s:.1f} s vs {pl.compile_s:.1f} s from a cold cache ({f.compile_warm_s:.1f} s vs {pl.compile_warm_s:.1f} s "
                                                 f"from a warm one): Inductor builds one fused C++ sketch kernel for each of the {int(c.shapes['injected (eager)'])} distinct tapped "
-                                                f"shapes, compiles the plain graph has not; opaque sketches compile in {op.compile_s / pl.compile_s:.2f}x "
+                                                f"shapes and memory layouts, compiles the plain graph has not; opaque sketches compile in {op.compile_s / pl.compile_s:.2f}x "
                                                 f"but run at {op.ms / pl.ms:.2f}x")
         why['graph breaks (injected, compiled)'] = 'Dynamo traces the whole injected graph as one'
     return why

@@ -111,6 +111,7 @@ def test_benchmark_tables():
     assert {'method', 'taps', 'ms', 'ms_median', 'ratio', 'first_call_s', 'fused'} <= set(tab.columns) and tab.ratio[0] == 1.0
     i = tab.set_index('method').loc['injected (eager, fused kernel)']
     assert i.fused == 0 and i.sketched > 0 and (tab.first_call_s > 0).all()    # these taps are below FUSED_MIN
+    assert i.shapes == 6    # 5 shapes, one of them (q/k/v heads) in two memory layouts: 6 nested compile regions
     ll, lt = like_for_like(tab), like_for_like(tab, tuned=True)
     assert ll['hook_taps'] == ll['injected_taps'] and ll['hooks_vs_injected'] > 0     # the same nn.Linear taps
     assert ll['hook_tensors'] == ll['injected_tensors'] == lt['hook_tensors'] > 0     # and the same tensors sketched per forward
