@@ -198,12 +198,12 @@ def overhead_table(model:nn.Module, # the model to measure
     inj, inj_nc = inject_matmul_stats(gm), inject_matmul_stats(gm, cache_weights=False)
     inj_lin = inject_matmul_stats(gm, sites=lambda s: s.op == 'linear')
     n_taps, n_lin = len(inj.manifest), 3 * sum(isinstance(m, nn.Linear) for m in model.modules())
-    stores = {k: ({}, {}) for k in ('naive', 'tuned')}   # per hook flavour: this forward's tensor sketches, the weight sketches
-    hooked = lambda k, sk: lambda: (stores[k][0].clear(), _hooked(model, x, _numpy_hook(*stores[k], sk)))
+    hooks = {'hooks + numpy (nn.Linear taps)': _np_sketch, 'hooks + numpy, tuned (nn.Linear taps)': _np_sketch_tuned}
+    stores = {k: ({}, {}) for k in hooks}   # per hooks method: this forward's tensor sketches, the weight sketches
+    hooked = lambda k: lambda: (stores[k][0].clear(), _hooked(model, x, _numpy_hook(*stores[k], hooks[k])))
     methods = {'plain forward': (lambda: gm(x), 0), 'injected (eager)': (lambda: inj(x), n_taps),
                'injected, weights re-sketched': (lambda: inj_nc(x), n_taps),
-               'hooks + numpy (nn.Linear taps)': (hooked('naive', _np_sketch), n_lin),
-               'hooks + numpy, tuned (nn.Linear taps)': (hooked('tuned', _np_sketch_tuned), n_lin),
+               **{k: (hooked(k), n_lin) for k in hooks},
                'injected (nn.Linear taps)': (lambda: inj_lin(x), len(inj_lin.manifest)),
                'injected (eager, fused kernel)': (_fused(lambda: inj(x)), n_taps),
                'injected (nn.Linear taps, fused kernel)': (_fused(lambda: inj_lin(x)), len(inj_lin.manifest))}
@@ -231,13 +231,18 @@ def overhead_table(model:nn.Module, # the model to measure
     for k, g, kernel in (('injected (eager)', inj, None), ('injected (nn.Linear taps)', inj_lin, None),
                          ('injected (eager, fused kernel)', inj, 'auto'), ('injected (nn.Linear taps, fused kernel)', inj_lin, 'auto')):
         extra.setdefault(k, {}).update(_sketched(g, kernel))
-    for k, f in (('hooks + numpy (nn.Linear taps)', 'naive'), ('hooks + numpy, tuned (nn.Linear taps)', 'tuned')):   # what the last forward sketched
-        extra[k] = dict(sketched=len(stores[f][0]), elements=float(sum(t.numel() for t, _ in stores[f][0].values())))
+    for k, (store, _) in stores.items():   # what the hooks' last forward sketched
+        extra[k] = dict(sketched=len(store), elements=float(sum(t.numel() for t, _ in store.values())))
     return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=1e3 * min(v), ms_median=1e3 * float(np.median(v)),
                               ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), first_call_s=first[k][0], **extra.get(k, {}))
                          for k, v in times.items()])
 
 # %% ../nbs/11_bench.ipynb #b018ench
+def _lfl_rows(fused:bool=False, tuned:bool=False)->tuple:
+    "The (hooks, injected) rows of an `overhead_table` that `like_for_like` compares."
+    return ('hooks + numpy, tuned (nn.Linear taps)' if tuned else 'hooks + numpy (nn.Linear taps)',
+            'injected (nn.Linear taps, fused kernel)' if fused else 'injected (nn.Linear taps)')
+
 def _count(v): return int(v) if v is not None and np.isfinite(v) else None   # a count column of a report (None where a run did not measure it)
 
 def like_for_like(tab:pd.DataFrame, # from `overhead_table`
@@ -246,7 +251,7 @@ def like_for_like(tab:pd.DataFrame, # from `overhead_table`
                  )->dict:
     "Hooks + numpy vs the injected graph on the same nn.Linear taps: the ratio of the time each adds to the plain forward, the tensors each sketched per forward, each one's ms per tap, and the ratio of the whole forwards."
     t = tab.set_index('method')
-    h, i = t.loc['hooks + numpy, tuned (nn.Linear taps)' if tuned else 'hooks + numpy (nn.Linear taps)'], t.loc['injected (nn.Linear taps, fused kernel)' if fused else 'injected (nn.Linear taps)']
+    h, i = (t.loc[r] for r in _lfl_rows(fused, tuned))
     added = lambda r: r.ms - t.loc['plain forward'].ms      # what the method adds to the plain forward, in ms
     return dict(hooks_vs_injected=added(h) / added(i), whole_forward=h.ms / i.ms, hook_taps=int(h.taps), injected_taps=int(i.taps),
                 hook_tensors=_count(h.get('sketched')), injected_tensors=_count(i.get('sketched')),
@@ -419,9 +424,7 @@ def goal_table(rep:dict)->pd.DataFrame:
     e, o = rep['eager'].set_index('method'), rep['online'].set_index('every')
     got = {'online 1-in-8 mean step / plain': o.nominal_ratio.get(8, np.nan),
            'injected eager / plain eager': e.ratio['injected (eager)']}
-    pair = lambda kw: ('hooks + numpy, tuned (nn.Linear taps)' if kw['tuned'] else 'hooks + numpy (nn.Linear taps)',
-                       'injected (nn.Linear taps, fused kernel)' if kw['fused'] else 'injected (nn.Linear taps)')
-    hooks = {g: kw for g, kw in _HOOK_GOALS.items() if set(pair(kw)) <= set(e.index)}   # the rows this run measured
+    hooks = {g: kw for g, kw in _HOOK_GOALS.items() if set(_lfl_rows(**kw)) <= set(e.index)}   # the rows this run measured
     got.update({g: like_for_like(rep['eager'], **kw)['hooks_vs_injected'] for g, kw in hooks.items()})
     if 'injected (eager, fused kernel)' in e.index:
         got['injected eager, fused kernel (opt-in) / plain eager'] = e.ratio['injected (eager, fused kernel)']
@@ -434,7 +437,7 @@ def goal_table(rep:dict)->pd.DataFrame:
         got['graph breaks (injected, compiled)'] = c.graph_breaks['injected (compiled)']
     why = _reasons(rep, got)
     added = lambda m: e.ms_median[m] - e.ms_median['plain forward']
-    med = {g: added(pair(kw)[0]) / added(pair(kw)[1]) for g, kw in hooks.items()}
+    med = {g: added(h) / added(i) for g, kw in hooks.items() for h, i in [_lfl_rows(**kw)]}
     if 'ratio_median' in e: med['injected eager / plain eager'] = e.ratio_median['injected (eager)']
     if 'injected (eager, fused kernel)' in e.index:
         med['injected eager, fused kernel (opt-in) / plain eager'] = e.ratio_median['injected (eager, fused kernel)']
