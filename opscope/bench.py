@@ -119,6 +119,8 @@ def _numpy_hook(store:dict, wcache:dict, sk=_np_sketch):
         np_sketch(inp[0]), np_sketch(out)
     return hook
 
+_HOOK_WEIGHTS = 'version'   # `_numpy_hook`'s weight policy, in `_weight_policy`'s words: a weight is re-sketched when its version or address changes
+
 # %% ../nbs/11_bench.ipynb #b012ench-s3
 def _ao_observers(model):
     "A hook feeding every nn.Linear input to torch.ao's calibration observers (None where torch has none)."
@@ -178,13 +180,18 @@ def _layout_of(node)->tuple:
     stride = tm.stride if tm is not None and hasattr(tm, 'stride') else v.stride() if isinstance(v, torch.Tensor) else ()
     return meta_shape(node), tuple(inject._hint(d) for d in stride)
 
+def _weight_policy(inj)->str:
+    "When an injected graph re-sketches a weight: 'values' (its fingerprint, values included, changed: the default), 'version' (its version or address changed: `cache_weights='version'`, the hooks' policy), 'every call' (in the graph: `cache_weights=False`)."
+    st = inj.meta.get('opscope_static')
+    return 'every call' if not st or not st['paths'] else 'values' if st['content'] else 'version'
+
 def _sketched(inj, kernel:str=None)->dict:
-    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `inject.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), and their distinct shapes and memory layouts (one nested compile region, so one fused kernel, each under torch.compile)."
+    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `inject.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), their distinct shapes and memory layouts (one nested compile region, so one fused kernel, each under torch.compile), and when it re-sketches a weight."
     man = inj.manifest[~inj.manifest.static].drop_duplicates('tensor')
     shapes = {_layout_of(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
     probe = torch.empty(0)   # a float32 CPU tensor like the bench models' taps
     fused = sum(inject._use_fused(probe, n, kernel) for n in man.numel.fillna(0))
-    return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, shapes=len(shapes))
+    return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, shapes=len(shapes), weights=_weight_policy(inj))
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2
 def overhead_table(model:nn.Module, # the model to measure
@@ -196,7 +203,7 @@ def overhead_table(model:nn.Module, # the model to measure
     "Per method: taps covered, ms per forward (min and median over repeats), ratio to the plain forward (of the minima and of the medians), the seconds of its first call, compile seconds (cold and from a warm cache), graph breaks, and what an injected graph or the hooks sketch per forward."
     gm = trace(model, x)
     inj, inj_nc = inject_matmul_stats(gm), inject_matmul_stats(gm, cache_weights=False)
-    inj_lin = inject_matmul_stats(gm, sites=lambda s: s.op == 'linear')
+    inj_lin = inject_matmul_stats(gm, sites=lambda s: s.op == 'linear', cache_weights='version')   # the hooks' weight policy (`_numpy_hook`): like for like
     n_taps, n_lin = len(inj.manifest), 3 * sum(isinstance(m, nn.Linear) for m in model.modules())
     hooks = {'hooks + numpy (nn.Linear taps)': _np_sketch, 'hooks + numpy, tuned (nn.Linear taps)': _np_sketch_tuned}
     stores = {k: ({}, {}) for k in hooks}   # per hooks method: this forward's tensor sketches, the weight sketches
@@ -232,7 +239,7 @@ def overhead_table(model:nn.Module, # the model to measure
                          ('injected (eager, fused kernel)', inj, 'auto'), ('injected (nn.Linear taps, fused kernel)', inj_lin, 'auto')):
         extra.setdefault(k, {}).update(_sketched(g, kernel))
     for k, (store, _) in stores.items():   # what the hooks' last forward sketched
-        extra[k] = dict(sketched=len(store), elements=float(sum(t.numel() for t, _ in store.values())))
+        extra[k] = dict(sketched=len(store), elements=float(sum(t.numel() for t, _ in store.values())), weights=_HOOK_WEIGHTS)
     return pd.DataFrame([dict(method=k, taps=methods[k][1], ms=1e3 * min(v), ms_median=1e3 * float(np.median(v)),
                               ratio=min(v) / base, ratio_median=float(np.median(v) / base_median), first_call_s=first[k][0], **extra.get(k, {}))
                          for k, v in times.items()])
@@ -249,12 +256,13 @@ def like_for_like(tab:pd.DataFrame, # from `overhead_table`
                   fused:bool=False, # the injected graph with the fused eager kernel (`inject.EAGER_KERNEL = 'auto'`) instead of the default
                   tuned:bool=False, # the hooks with `_np_sketch_tuned` instead of `_np_sketch`
                  )->dict:
-    "Hooks + numpy vs the injected graph on the same nn.Linear taps: the ratio of the time each adds to the plain forward, the tensors each sketched per forward, each one's ms per tap, and the ratio of the whole forwards."
+    "Hooks + numpy vs the injected graph on the same nn.Linear taps: the ratio of the time each adds to the plain forward, the tensors each sketched per forward, when each re-sketches a weight, each one's ms per tap, and the ratio of the whole forwards."
     t = tab.set_index('method')
     h, i = (t.loc[r] for r in _lfl_rows(fused, tuned))
     added = lambda r: r.ms - t.loc['plain forward'].ms      # what the method adds to the plain forward, in ms
     return dict(hooks_vs_injected=added(h) / added(i), whole_forward=h.ms / i.ms, hook_taps=int(h.taps), injected_taps=int(i.taps),
                 hook_tensors=_count(h.get('sketched')), injected_tensors=_count(i.get('sketched')),
+                hook_weights=h.get('weights'), injected_weights=i.get('weights'),
                 hook_ms_per_tap=added(h) / h.taps, injected_ms_per_tap=added(i) / i.taps)
 
 # %% ../nbs/11_bench.ipynb #b021ench

@@ -312,14 +312,15 @@ def _raw_eager(x, R, C, T, s, bins):
     dots = torch.mul(rows[:, 1:], rows[:, :-1], out=flat[:B * (T - 1) * C].view(B, T - 1, C)).sum(-1)
     cmax, cmin = clean.amax(0), clean.amin(0)
     mx, mn = cmax.max(), cmin.min()
-    hist, near = _hist_eager(clean.view(-1)[::s], torch.maximum(mx, -mn), bins)
+    hist, near = _hist_eager(clean.view(-1)[::s], torch.maximum(mx, -mn), bins, flat[:-(-n // s)])   # buf free again: the compare's floats
     return ((s1, s2, clean.sum(), near, mx, mn), cmax, cmin, nz, torch.linalg.vector_norm(clean, dim=-1),
             F.pad(dots, (0, 1)).view(-1), hist)   # dots row-aligned: row r's with row r + 1, 0 at a sequence's last row
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-h0
-def _hist_eager(sample, absmax, bins):
-    "The histogram of sample/(absmax+1e-12) (`_hist`) and the near-zero count of an eager tap's sample."
-    near = torch.le(sample.abs(), NEARZERO_REL * absmax).sum(dtype=sample.dtype)
+def _hist_eager(sample, absmax, bins, buf=None):
+    "The histogram of sample/(absmax+1e-12) (`_hist`) and the near-zero count of an eager tap's sample; `buf`, a float scratch of the sample's length, takes the compare as 0.0 / 1.0 (ATen's compares into bool run several times slower on CPU)."
+    a, lim = sample.abs(), NEARZERO_REL * absmax
+    near = torch.le(a, lim).sum(dtype=sample.dtype) if buf is None else torch.le(a, lim, out=buf).sum()
     return _hist(torch.div(sample, absmax + 1e-12), bins), near
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-k0
@@ -384,7 +385,9 @@ def _gcd(a:int, b:int)->int:
     return a
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s5
-def _packed_traced(x:torch.Tensor, bins:int=64)->torch.Tensor:
+def _packed_traced(x:torch.Tensor, bins:int=64,
+                   rel:torch.Tensor=None, # `NEARZERO_REL` as a 0-d tensor of the sketch's dtype (a nested compile region's argument); None: read here
+                  )->torch.Tensor:
     "The packed sketch in its traceable form (what torch.compile and torch.export trace): vectorized compares, fusable row and column loops, no scratch."
     x2, T = _as_rows(x.detach())
     R, C = x2.shape
@@ -396,7 +399,7 @@ def _packed_traced(x:torch.Tensor, bins:int=64)->torch.Tensor:
     adj_cos = (dots[:-1] / (row_energy[:-1] * row_energy[1:]).clamp_min(1e-30)).sum() / ((R // T) * (T - 1))   # NaN without pairs
     sample = clean.reshape(-1)[::sample_stride(n, C)]
     hist = _hist(sample / (absmax + 1e-12), bins)
-    nearzero = (sample.abs() <= NEARZERO_REL * absmax).to(clean.dtype).mean()
+    nearzero = (sample.abs() <= (NEARZERO_REL if rel is None else rel.to(absmax.dtype)) * absmax).to(clean.dtype).mean()
     mean, ms = total / n, row_energy.square().sum() / n
     inf = (s2 - s1) / 2
     scalars = torch.stack([clean.new_full((), n), cmin.min(), cmax.max(), mean, (ms - mean * mean).clamp_min(0).sqrt(), absmax,
@@ -529,8 +532,10 @@ def sketch_packed(x:torch.Tensor, # the tapped tensor
                   bins:int=64, # histogram bins
                  )->torch.Tensor:
     "One tap's packed sketch in any mode: under torch.compile a nested compile region traced once per tensor shape (or, `SKETCH_KERNELS='op'`, the opaque `opscope::sketch`), else `_packed`."
-    if torch.compiler.is_compiling(): return _sketch_region(x, bins) if SKETCH_KERNELS == 'inductor' else _sketch_op(x.detach(), bins)
-    return _packed(x, bins)
+    if not torch.compiler.is_compiling(): return _packed(x, bins)
+    if SKETCH_KERNELS != 'inductor': return _sketch_op(x.detach(), bins)
+    # NEARZERO_REL enters the region as a tensor: with dynamic shapes Dynamo makes a float it reads a symbolic input, which it cannot lift into a nested region
+    return _sketch_region(x, bins, torch.full((), NEARZERO_REL, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device))
 
 def sketch_node(x, bins):
     "The graph's sketch node: eagerly the raw parts that the graph's one `_finalize_node` finalizes together with every other tap's; under a compiler the packed sketch (`sketch_packed`)."
@@ -1199,7 +1204,7 @@ def _unpacked_outputs(out, plan, bins):
 
 # %% ../nbs/01_inject.ipynb #c0mp1n02
 def compile_injected(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass over it)
-                     **kwargs, # passed to `torch.compile`
+                     **kwargs, # passed to `torch.compile` (e.g. `dynamic=True`: one graph for every sequence length)
                     ):
     "`torch.compile(gm)`, with the weight sketches refreshed outside the compiled region before each call."
     packed = _packed_outputs(gm)
