@@ -293,6 +293,10 @@ def _float(x:torch.Tensor)->torch.Tensor:
     "`x` as the sketch reads it: float32 and float64 as they are, every other dtype as float32."
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
+def _sketch_dtype(x:torch.Tensor)->torch.dtype:
+    "The dtype `x`'s sketch is computed in (`_float`'s), from its dtype alone."
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
 def _dims(x:torch.Tensor)->tuple:
     "(rows R, channels C, sequence length T, histogram sample stride) of `x` viewed as rows × channels (channels = last dim)."
     C = x.shape[-1] if x.dim() else 1
@@ -519,7 +523,7 @@ def _sketch_impl(x:torch.Tensor, bins:int)->torch.Tensor:
 def _sketch_fake(x, bins):
     "The operator's output shape and dtype, from `x`'s alone (no data)."
     R, C = (math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else (1, 1)
-    return x.new_empty(len(SCALARS) + bins + 2 * C + R, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return x.new_empty(len(SCALARS) + bins + 2 * C + R, dtype=_sketch_dtype(x))
 
 if not hasattr(torch.ops.opscope, 'sketch'):   # registered once per process (this module and its notebook both define it)
     torch.library.custom_op('opscope::sketch', _sketch_impl, mutates_args=()).register_fake(_sketch_fake)
@@ -535,7 +539,7 @@ def sketch_packed(x:torch.Tensor, # the tapped tensor
     if not torch.compiler.is_compiling(): return _packed(x, bins)
     if SKETCH_KERNELS != 'inductor': return _sketch_op(x.detach(), bins)
     # NEARZERO_REL enters the region as a tensor: with dynamic shapes Dynamo makes a float it reads a symbolic input, which it cannot lift into a nested region
-    return _sketch_region(x, bins, torch.full((), NEARZERO_REL, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device))
+    return _sketch_region(x, bins, torch.full((), NEARZERO_REL, dtype=_sketch_dtype(x), device=x.device))
 
 def sketch_node(x, bins):
     "The graph's sketch node: eagerly the raw parts that the graph's one `_finalize_node` finalizes together with every other tap's; under a compiler the packed sketch (`sketch_packed`)."
