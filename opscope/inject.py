@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .tables import InputError
 
 # %% auto #0
@@ -270,10 +271,10 @@ def _as_rows(x:torch.Tensor):
     return x.reshape(-1, x.shape[-1]), T
 
 # %% ../nbs/01_inject.ipynb #c5c687d9
-def _hist(v, bins):
-    "`torch.histc(v, bins, -1, 1)` for v in [-1, 1] (the same bins exactly for power-of-two `bins`), as a fixed-size scatter-add Inductor can lower."
+def _hist(v, bins, w=None):
+    "`torch.histc(v, bins, -1, 1)` for v in [-1, 1] (the same bins exactly for power-of-two `bins`), as a fixed-size scatter-add Inductor can lower; `w`: each value's weight (default 1)."
     idx = ((v + 1) * (bins / 2)).long().clamp_(0, bins - 1)
-    return torch.zeros(bins, dtype=v.dtype, device=v.device).scatter_add_(0, idx, torch.ones_like(v))
+    return torch.zeros(bins, dtype=v.dtype, device=v.device).scatter_add_(0, idx, torch.ones_like(v) if w is None else w)
 
 SCRATCH_MAX = 1 << 24  # eager CPU sketches of tensors up to this many elements reuse two per-thread scratch buffers
 
@@ -377,9 +378,9 @@ def _passes_compiled(x2, T):
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s4
 def sample_stride(n, C):
-    "The element stride at which the histogram and `nearzero` read about `HIST_SAMPLE` of the `n` values of a (rows × `C`) tensor: coprime with `C`, so every channel and every row is read (a stride sharing a factor with `C` reads only some channels)."
+    "The element stride at which the histogram and `nearzero` read about `HIST_SAMPLE` of the `n` values of a (rows × `C`) tensor: coprime with `C`, so every channel and every row is read (a stride sharing a factor with `C` reads only some channels). Symbolic sizes are searched with tensor ops instead (`_stride`)."
     s = torch.sym_max(n // HIST_SAMPLE, 1)
-    if not (isinstance(s, int) and isinstance(C, int)): return s   # symbolic shapes: the plain stride
+    if not (isinstance(s, int) and isinstance(C, int)): return s   # symbolic sizes: the search's start
     while _gcd(s, C) != 1: s += 1
     return s
 
@@ -387,6 +388,31 @@ def _gcd(a:int, b:int)->int:
     "Euclid's gcd in plain int arithmetic, which a compiler tracing the sketch folds to a constant (`math.gcd` it cannot trace)."
     while b: a, b = b, a % b
     return a
+
+# %% ../nbs/01_inject.ipynb #c5c687d9-s4b
+STRIDE_SPAN = 64  # the symbolic stride search tries this many strides: enough for every channel count below 2^31 (nine distinct primes at most, and no gap between integers coprime with such a number is wider than 40, Jacobsthal's h(9))
+
+def _static(v)->bool:
+    "Whether the int `v` is a constant to a tracer: one of two complementary tests of it is decided without a guard (Dynamo shows a symbolic size to Python as an int, and an `if` on it becomes a guard)."
+    return statically_known_true(v % 1000003 == 0) or statically_known_true(v % 1000003 != 0)
+
+def _coprime_stride(base, C, device)->torch.Tensor:
+    "`sample_stride`'s search in tensor ops: the first of the `STRIDE_SPAN` strides from `base` on that is coprime with `C` (a 0-d int64 tensor). No Python branch reads the sizes, so symbolic ones add no guards."
+    cands = torch.arange(STRIDE_SPAN, device=device) + base
+    return cands.gather(0, (torch.gcd(cands, torch.full_like(cands, C)) == 1).to(torch.int8).argmax().view(1)).squeeze(0)   # a gather: a tensor index would be read on the host
+
+def _stride(n, C, device):
+    "`sample_stride(n, C)`: an int for constant sizes; for symbolic ones (a graph compiled with dynamic shapes) the same stride as a 0-d tensor from `_coprime_stride`, since Dynamo turns `sample_stride`'s loop over symbolic sizes into guards on their residues and recompiles whenever a new size changes them."
+    return sample_stride(n, C) if _static(n) and _static(C) else _coprime_stride(torch.sym_max(n // HIST_SAMPLE, 1), C, device)
+
+def _sampled(flats:list, C)->tuple:
+    "The histogram's sample of each flat (rows × `C`) tensor in `flats` (all of one length) at `_stride`, and each entry's weight (None: all 1): a strided slice, or for a tensor stride a gather of fixed length (`ceil(n / base)` covers any stride from the search's start on) whose entries past the end weigh 0."
+    n = flats[0].shape[0]
+    s = _stride(n, C, flats[0].device)
+    if isinstance(s, int): return [f[::s] for f in flats], None
+    idx = torch.arange(-(-n // torch.sym_max(n // HIST_SAMPLE, 1)), device=flats[0].device) * s
+    at = idx.clamp_max(n - 1)
+    return [f[at] for f in flats], (idx < n).to(flats[0].dtype)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s5
 def _packed_traced(x:torch.Tensor, bins:int=64,
@@ -401,9 +427,10 @@ def _packed_traced(x:torch.Tensor, bins:int=64,
     chan_absmax = torch.maximum(cmax, -cmin)
     absmax = chan_absmax.max()
     adj_cos = (dots[:-1] / (row_energy[:-1] * row_energy[1:]).clamp_min(1e-30)).sum() / ((R // T) * (T - 1))   # NaN without pairs
-    sample = clean.reshape(-1)[::sample_stride(n, C)]
-    hist = _hist(sample / (absmax + 1e-12), bins)
-    nearzero = (sample.abs() <= (NEARZERO_REL if rel is None else rel.to(absmax.dtype)) * absmax).to(clean.dtype).mean()
+    (sample,), w = _sampled([clean.reshape(-1)], C)
+    hist = _hist(sample / (absmax + 1e-12), bins, w)
+    near = (sample.abs() <= (NEARZERO_REL if rel is None else rel.to(absmax.dtype)) * absmax).to(clean.dtype)
+    nearzero = near.mean() if w is None else (near * w).sum() / w.sum()
     mean, ms = total / n, row_energy.square().sum() / n
     inf = (s2 - s1) / 2
     scalars = torch.stack([clean.new_full((), n), cmin.min(), cmax.max(), mean, (ms - mean * mean).clamp_min(0).sqrt(), absmax,
@@ -425,9 +452,9 @@ def _eager(x:torch.Tensor)->bool:
 def _raw(x:torch.Tensor, bins:int=64):
     "A tap's sketch before finalizing: eagerly `(raw parts, dims)` for `_finalize`; an empty or traced tensor's packed sketch directly."
     x = _float(x.detach())
+    if not _eager(x): return _packed_traced(x, bins)   # before `_dims`: its stride search is Python over the sizes (`_stride`)
     d = _dims(x)
     if d[0] * d[1] == 0: return _empty_packed(x.reshape(d[0], d[1]), bins)
-    if not _eager(x): return _packed_traced(x, bins)
     parts = _raw_fused(x, *d, bins) if _use_fused(x, d[0] * d[1]) else None
     return (_raw_eager(x, *d, bins) if parts is None else parts), d
 
@@ -852,7 +879,7 @@ def sketch_groups(x:torch.Tensor, # any tensor; viewed as rows × channels (last
                   group:torch.Tensor, # int, one per row: its group in [0, groups); any other value drops the row
                   groups:int, # how many groups (experts)
                   bins:int=64, # histogram bins over [-1, 1] of x / the group's absmax
-                  stride=1, # the histogram and `nearzero` read every `stride`-th element (`sample_stride`; 1: all)
+                  stride=1, # the histogram and `nearzero` read every `stride`-th element (`sample_stride`, an int or a 0-d tensor; 1: all)
                  )->tuple:
     "The sketch of each group's rows (order of `STATS`, each stat with a leading `groups` dim), in one pass over `x`, at a fixed shape and with no host sync."
     x2, T = _as_rows(x.detach())   # read detached, as `sketch`: the statistics never join autograd
@@ -899,7 +926,7 @@ def sketch_rows(x:torch.Tensor, # any tensor; viewed as rows × channels (last d
                )->tuple:
     "The sketch (order of `STATS`) of the rows of `x` where `keep` is true: `sketch_groups` with one group, its histogram read at `sketch`'s stride (all rows kept: `sketch`'s statistics)."
     C = _channels(x)
-    return tuple(t[0] for t in sketch_groups(x, (~keep.reshape(-1)).long(), 1, bins, sample_stride(x.numel(), C)))
+    return tuple(t[0] for t in sketch_groups(x, (~keep.reshape(-1)).long(), 1, bins, _stride(x.numel(), C, x.device)))
 
 # %% ../nbs/01_inject.ipynb #768df1ee-k0
 def sketch_kept(x:torch.Tensor, # any tensor; viewed as rows × channels (last dim)
@@ -928,8 +955,8 @@ def sketch_kept(x:torch.Tensor, # any tensor; viewed as rows × channels (last d
     r3, e3, live = clean.reshape(-1, T, C), energy.reshape(-1, T), (per_row > 0).reshape(-1, T)
     cos = (r3[:, 1:] * r3[:, :-1]).sum(-1) / (e3[:, 1:] * e3[:, :-1]).clamp_min(1e-30)
     pair = (live[:, 1:] & live[:, :-1]).to(dt)                   # adjacent rows that both hold data
-    stride = sample_stride(R * C, C)
-    vs, ks = clean.reshape(-1)[::stride], kf.reshape(-1)[::stride]
+    (vs, ks), w = _sampled([clean.reshape(-1), kf.reshape(-1)], C)
+    if w is not None: ks = ks * w
     a = absmax.nan_to_num(0.0)
     b = ((vs / (a + 1e-12) + 1) * (bins / 2)).long().clamp_(0, bins - 1)
     hist = torch.zeros(bins, dtype=dt, device=x2.device).scatter_add_(0, b, ks)
