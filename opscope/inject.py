@@ -377,9 +377,13 @@ def _passes_compiled(x2, T):
             (clean != 0).to(clean.dtype).sum(0), torch.linalg.vector_norm(clean, dim=-1), dots)
 
 # %% ../nbs/01_inject.ipynb #c5c687d9-s4
+def _stride_base(n):
+    "Where the stride search starts: `n // HIST_SAMPLE`, at least 1 (a symbolic size stays symbolic)."
+    return torch.sym_max(n // HIST_SAMPLE, 1)
+
 def sample_stride(n, C):
     "The element stride at which the histogram and `nearzero` read about `HIST_SAMPLE` of the `n` values of a (rows × `C`) tensor: coprime with `C`, so every channel and every row is read (a stride sharing a factor with `C` reads only some channels). Symbolic sizes are searched with tensor ops instead (`_stride`)."
-    s = torch.sym_max(n // HIST_SAMPLE, 1)
+    s = _stride_base(n)
     if not (isinstance(s, int) and isinstance(C, int)): return s   # symbolic sizes: the search's start
     while _gcd(s, C) != 1: s += 1
     return s
@@ -403,14 +407,14 @@ def _coprime_stride(base, C, device)->torch.Tensor:
 
 def _stride(n, C, device):
     "`sample_stride(n, C)`: an int for constant sizes; for symbolic ones (a graph compiled with dynamic shapes) the same stride as a 0-d tensor from `_coprime_stride`, since Dynamo turns `sample_stride`'s loop over symbolic sizes into guards on their residues and recompiles whenever a new size changes them."
-    return sample_stride(n, C) if _static(n) and _static(C) else _coprime_stride(torch.sym_max(n // HIST_SAMPLE, 1), C, device)
+    return sample_stride(n, C) if _static(n) and _static(C) else _coprime_stride(_stride_base(n), C, device)
 
 def _sampled(flats:list, C)->tuple:
     "The histogram's sample of each flat (rows × `C`) tensor in `flats` (all of one length) at `_stride`, and each entry's weight (None: all 1): a strided slice, or for a tensor stride a gather of fixed length (`ceil(n / base)` covers any stride from the search's start on) whose entries past the end weigh 0."
     n = flats[0].shape[0]
     s = _stride(n, C, flats[0].device)
     if isinstance(s, int): return [f[::s] for f in flats], None
-    idx = torch.arange(-(-n // torch.sym_max(n // HIST_SAMPLE, 1)), device=flats[0].device) * s
+    idx = torch.arange(-(-n // _stride_base(n)), device=flats[0].device) * s
     at = idx.clamp_max(n - 1)
     return [f[at] for f in flats], (idx < n).to(flats[0].dtype)
 
