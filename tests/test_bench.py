@@ -11,7 +11,7 @@ import opscope.online as online
 import opscope.recorder as recorder
 from opscope.bench import (bench_model, hist_sample_error, overhead_table, online_table, like_for_like, sketch_profile,
                            miner_throughput, bench_report, goal_table, save_report, load_report, GOALS)
-from opscope.inject import trace, inject_matmul_stats, compile_injected, STATS, sketch as inject_sketch
+from opscope.inject import trace, inject_matmul_stats, compile_injected, STATS, HIST_SAMPLE, sketch as inject_sketch
 from opscope.online import OnlineRecorder
 from opscope.zoo import mlp, transformer, make_tensor
 
@@ -111,6 +111,28 @@ def test_compiled_with_dynamic_shapes_equals_eager():
                 if k.endswith('/hist'): assert sc[k].sum() == se[k].sum(), k   # the same number of values sampled
             assert sc['layers.0.attn.q/lhs/nan_count'].item() > 0     # the NaN reached the taps, and both counted it alike
     assert counters['stats']['unique_graphs'] == 1, dict(counters['stats'])
+
+
+def test_online_recorder_compiled_over_changing_lengths():
+    "`OnlineRecorder(compile=True)` serving requests of changing sequence length, under torch.compile's default (automatic dynamic shapes, the path `record(compile=True)` takes too): the injected graph compiles twice, as the plain graph would (once static, once with the sequence dimension symbolic, which every later length reuses), and every sampled step's rows equal the eager recorder's."
+    m = transformer(layers=1, d=32, heads=2, seed=47)
+    xs = [make_tensor('heavytail', (4, seq, 32), seed=seq) for seq in (64, 96, 80, 72)]
+    gm = trace(m, xs[0])
+    torch._dynamo.reset(); counters.clear()
+    with OnlineRecorder(gm, every=1, compile=True, background=False) as rc, OnlineRecorder(gm, every=1, background=False) as re:
+        with torch.no_grad():
+            for x in xs: torch.testing.assert_close(rc(x), re(x), rtol=1e-5, atol=1e-5)
+        got, ref = rc.rows(), re.rows()
+    assert counters['stats']['unique_graphs'] == 2, dict(counters['stats'])
+    key = ['step', 'site', 'role', 'stat', 'idx']
+    both = ref.merge(got, on=key, suffixes=('', '_c'), validate='one_to_one')
+    assert len(both) == len(ref) == len(got) and sorted(ref.step.unique()) == [0, 1, 2, 3]
+    exact = both.stat.isin(['numel', 'nan_count', 'inf_count'])
+    assert (both.value[exact] == both.value_c[exact]).all()
+    near = both.stat == 'nearzero'   # a sampled value on the threshold may round to the other side: 2 of the sample (here at least HIST_SAMPLE / 2 values, or all)
+    assert ((both.value - both.value_c).abs() <= 4 / np.minimum(both.numel, HIST_SAMPLE) + 1e-9)[near].all()
+    rest = ~(exact | near)
+    np.testing.assert_allclose(both.value_c[rest], both.value[rest], rtol=1e-4, atol=1e-5)
 
 
 def test_record_compile_runs_the_compiled_graph(monkeypatch):
