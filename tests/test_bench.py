@@ -119,10 +119,10 @@ def test_online_recorder_compiled_over_changing_lengths():
     xs = [make_tensor('heavytail', (4, seq, 32), seed=seq) for seq in (64, 96, 80, 72)]
     gm = trace(m, xs[0])
     torch._dynamo.reset(); counters.clear()
-    with OnlineRecorder(gm, every=1, compile=True, background=False) as rc, OnlineRecorder(gm, every=1, background=False) as re:
+    with OnlineRecorder(gm, every=1, compile=True, background=False) as compiled, OnlineRecorder(gm, every=1, background=False) as eager:
         with torch.no_grad():
-            for x in xs: torch.testing.assert_close(rc(x), re(x), rtol=1e-5, atol=1e-5)
-        got, ref = rc.rows(), re.rows()
+            for x in xs: torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+        got, ref = compiled.rows(), eager.rows()
     assert counters['stats']['unique_graphs'] == 2, dict(counters['stats'])
     key = ['step', 'site', 'role', 'stat', 'idx']
     both = ref.merge(got, on=key, suffixes=('', '_c'), validate='one_to_one')
