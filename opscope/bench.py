@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_bench.ipynb #b002ench
 from __future__ import annotations
-import contextlib, os, threading, time
+import contextlib, os, platform, threading, time
 import numpy as np
 import pandas as pd
 import psutil
@@ -20,9 +20,9 @@ from .scale import mine_duckdb
 from .online import OnlineRecorder
 
 # %% auto #0
-__all__ = ['SIZES', 'GOALS', 'bench_model', 'hist_sample_error', 'overhead_table', 'like_for_like', 'sketch_profile',
+__all__ = ['SIZES', 'GOALS', 'INFO', 'bench_model', 'hist_sample_error', 'overhead_table', 'like_for_like', 'sketch_profile',
            'online_table', 'scaling_table', 'tiled_sketches', 'miner_throughput', 'bench_report', 'goal_table',
-           'save_report', 'load_report', 'planted_check']
+           'machine_info', 'save_report', 'load_report', 'run_label', 'goals_by_run', 'planted_check']
 
 # %% ../nbs/11_bench.ipynb #b006ench
 SIZES = dict(online=dict(layers=4, d=512, seq=128, batch=2),   # OnlineRecorder goal
@@ -457,15 +457,53 @@ def goal_table(rep:dict)->pd.DataFrame:
     return pd.DataFrame(rows)
 
 # %% ../nbs/11_bench.ipynb #b036ench
+def _cpu_model()->str:
+    "The CPU's model name as the kernel reports it (Linux), else what `platform` knows."
+    try:
+        with open('/proc/cpuinfo') as f: return next((l.split(':', 1)[1].strip() for l in f if l.startswith('model name')), platform.processor())
+    except OSError: return platform.processor() or platform.machine()
+
+def machine_info()->dict:
+    "The machine a benchmark ran on: CPU count and model, the widest vector ISA ATen's CPU kernels dispatch to (the plain model's GEMMs and the sketch passes both depend on it), 1-minute load, torch version and time."
+    return dict(host_cpus=os.cpu_count(), cpu=_cpu_model(), isa=torch.backends.cpu.get_cpu_capability(), load1=os.getloadavg()[0],
+                torch=torch.__version__, when=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+
 def save_report(rep:dict, path):
-    "All tables of a report in one long CSV (`table` column), with the machine and time of the run."
-    info = dict(host_cpus=os.cpu_count(), load1=os.getloadavg()[0], torch=torch.__version__, when=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+    "All tables of a report in one long CSV (`table` column), with the machine and time of the run (`machine_info`)."
+    info = machine_info()
     with atomic_write(path) as tmp: pd.concat([t.assign(table=k, **info) for k, t in rep.items()], ignore_index=True).to_csv(tmp, index=False)
 
 def load_report(path)->dict:
     "The tables of a report saved by `save_report`."
     df = pd.read_csv(path)
     return {k: g.drop(columns='table').dropna(axis=1, how='all').reset_index(drop=True) for k, g in df.groupby('table', sort=False)}
+
+INFO = ('host_cpus', 'cpu', 'isa', 'load1', 'torch', 'when')   # the columns `save_report` adds to every table
+
+def _info(rep:dict, k:str):
+    "A loaded report's machine field `k` (one of `INFO`), or 'not recorded' where an older file lacks it."
+    i = rep['eager'].iloc[0]
+    return i[k] if k in i and pd.notna(i[k]) else 'not recorded'
+
+def run_label(rep:dict)->str:
+    "One line naming the run of a loaded report: when, the CPU (model, ISA, count), torch and the load it ran under."
+    g, load = (lambda k: _info(rep, k)), _info(rep, 'load1')
+    return (f"{g('when')}: {g('cpu')}, ISA {g('isa')}, {g('host_cpus')} CPUs, torch {g('torch')}, "
+            f"1-minute load {load if isinstance(load, str) else f'{load:.1f}'}")
+
+def _machine_rows(rep:dict)->pd.Series:
+    "What sets a run's eager ratios apart from another machine's: the plain forward's ms and the default eager sketch's ns per element sketched."
+    e = rep['eager'].set_index('method')
+    i = e.loc['injected (eager)']
+    return pd.Series({'plain eager forward, ms': e.ms['plain forward'],
+                      'eager sketch, ns per element': 1e6 * (i.ms - e.ms['plain forward']) / i.elements})
+
+def goals_by_run(paths:list)->pd.DataFrame:
+    "The goal figures of several saved full runs side by side (one column per run, headed by when it ran and its ISA), with each goal's target, then the plain forward's time and the sketch's cost per element of each run."
+    reps = [load_report(p) for p in paths]
+    t = pd.DataFrame({f"{_info(r, 'when')} (ISA {_info(r, 'isa')})": pd.concat([goal_table(r).set_index('goal').measured, _machine_rows(r)])
+                      for r in reps})
+    return t.assign(target=[f'{op} {v}' for _, v, op in GOALS] + [''] * (len(t) - len(GOALS)))
 
 # %% ../nbs/11_bench.ipynb #e58a68be
 def planted_check(findings:pd.DataFrame, sketches:pd.DataFrame, structure_seed:int=0)->pd.DataFrame:

@@ -10,7 +10,7 @@ import torch.nn as nn
 import opscope.online as online
 import opscope.recorder as recorder
 from opscope.bench import (bench_model, hist_sample_error, overhead_table, online_table, like_for_like, sketch_profile,
-                           miner_throughput, bench_report, goal_table, save_report, load_report, GOALS)
+                           miner_throughput, bench_report, goal_table, save_report, load_report, run_label, goals_by_run, GOALS)
 from opscope.inject import trace, inject_matmul_stats, compile_injected, STATS, HIST_SAMPLE, sketch as inject_sketch
 from opscope.online import OnlineRecorder
 from opscope.zoo import mlp, transformer, make_tensor
@@ -212,6 +212,14 @@ def test_report_goals_and_cli_round_trip(tmp_path, cli):
     save_report(rep, tmp_path / 'r.csv')
     back = load_report(tmp_path / 'r.csv')
     assert set(back) == set(rep)
+    assert back['eager'].isa[0] == torch.backends.cpu.get_cpu_capability() and back['eager'].cpu[0]   # the machine is recorded
+    old = pd.read_csv(tmp_path / 'r.csv').drop(columns=['cpu', 'isa'])   # a file saved before the machine was recorded
+    old.to_csv(tmp_path / 'old.csv', index=False)
+    assert 'not recorded, ISA not recorded' in run_label(load_report(tmp_path / 'old.csv'))
+    side = goals_by_run([tmp_path / 'r.csv', tmp_path / 'old.csv'])
+    assert list(side.index[:len(GOALS)]) == [g for g, _, _ in GOALS] and side.shape == (len(GOALS) + 2, 3)
+    np.testing.assert_array_equal(side.iloc[:len(GOALS), 0].astype(float), side.iloc[:len(GOALS), 1].astype(float))   # the same run read twice
+    assert side.loc['eager sketch, ns per element'].iloc[0] > 0
     r = cli('opscope-bench', '--miner_rows', '2000', '--out', str(tmp_path / 'b.csv'))
     assert r.returncode == 0, r.stderr[-800:]
     assert 'goal' in r.stdout and (tmp_path / 'b.csv').exists()
