@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_bench.ipynb #b002ench
 from __future__ import annotations
-import contextlib, os, platform, threading, time
+import contextlib, math, os, platform, threading, time
 import numpy as np
 import pandas as pd
 import psutil
@@ -191,7 +191,20 @@ def _sketched(inj, kernel:str=None)->dict:
     shapes = {_layout_of(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
     probe = torch.empty(0)   # a float32 CPU tensor like the bench models' taps
     fused = sum(inject._use_fused(probe, n, kernel) for n in man.numel.fillna(0))
-    return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, shapes=len(shapes), weights=_weight_policy(inj))
+    return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, blocked=_blocked_taps(inj, kernel),
+                shapes=len(shapes), weights=_weight_policy(inj))
+
+def _blocked_taps(inj, kernel:str=None)->int:
+    "How many of the tensors one call of an injected graph sketches run the eager passes block by block (`inject._blocked`) in this process, with `inject.EAGER_KERNEL = kernel`."
+    probe, seen = torch.empty(0), {}
+    for n in inj.graph.nodes:
+        if n.target is sketch_node and n.args[0] not in seen:
+            shape, stride = _layout_of(n.args[0])
+            numel = math.prod(shape)
+            contiguous = all(st == math.prod(shape[i + 1:]) for i, st in enumerate(stride) if shape[i] > 1)   # torch's rule: a size-1 dim's stride is free
+            seen[n.args[0]] = (contiguous and len(shape) > 1 and not inject._use_fused(probe, numel, kernel)
+                               and inject._blocked(probe, math.prod(shape[:-1]), numel))
+    return sum(seen.values())
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2
 def overhead_table(model:nn.Module, # the model to measure
@@ -400,6 +413,8 @@ def _reasons(rep, got):
         fused = int(i.fused) if np.isfinite(i.get('fused', np.nan)) else 0
         how = (f"{fused} of them by the fused kernel Inductor compiled once for this process (the first fused call took {i.first_call_s:.1f} s), "
                f"the other {int(i.sketched) - fused} by the ATen passes" if fused else "each by about ten ATen passes the eager executor runs one by one")
+        blocked = i.get('blocked', np.nan)
+        if np.isfinite(blocked) and blocked > 0: how += f" ({int(blocked)} of them, bigger than four cache blocks, block by block)"
         return (f"{int(i.sketched)} tensors ({i.elements / 1e6:.1f} M elements) are sketched per forward in {added:.1f} ms "
                 f"({1e6 * added / max(i.elements, 1):.2f} ns per element) on top of a {e.ms['plain forward']:.1f} ms forward, " + how)
     why['injected eager / plain eager'] = eager_why('injected (eager)') + (f"; self time beyond the matmuls: {top}" if top else '')

@@ -328,6 +328,47 @@ def _hist_eager(sample, absmax, bins, buf=None):
     near = torch.le(a, lim).sum(dtype=sample.dtype) if buf is None else torch.le(a, lim, out=buf).sum()
     return _hist(torch.div(sample, absmax + 1e-12), bins), near
 
+# %% ../nbs/01_inject.ipynb #c5c687d9-b0
+BLOCK = 1 << 17   # elements per CPU thread in one block of `_raw_blocked` (512 KiB of float32: a block and its two scratch copies stay in a core's L2)
+
+def _block()->int:
+    "How many elements one block of an eager CPU tap holds: `BLOCK` per thread ATen's passes run on (each pass splits a block across them)."
+    return BLOCK * torch.get_num_threads()
+
+def _blocked(x:torch.Tensor, R:int, n:int)->bool:
+    "Whether an eager tap like `x` (`R` rows, `n` elements) runs its passes block by block (`_raw_blocked`): a contiguous CPU tensor of more than four blocks (smaller ones already stay in cache, and a block costs a dozen more operator calls)."
+    return x.device.type == 'cpu' and R > 1 and n > 4 * _block() and x.is_contiguous()
+
+def _raw_blocked(x, R, C, T, s, bins):
+    "`_raw_eager`'s parts with its passes run over blocks of whole rows (`_block` elements), so every pass after a block's first reads it from the core's cache rather than the whole tensor from memory; the per-block partial results (sums, per-channel extremes and counts) are reduced at the end, per-row ones written in place."
+    rows = max(1, _block() // C)
+    k, x2 = -(-R // rows), x.view(R, C)
+    m = min(rows, R) * C
+    cs, bs = _scratch(0, m, x), _scratch(1, m, x)
+    sc, per = x2.new_empty(3, k), x2.new_empty(3, k, C)      # per block: s1, s2, sum; channel max, min, non-zeros
+    energy, dots, last = x2.new_empty(R), x2.new_zeros(R), x2.new_empty(1, C)
+    for i in range(k):
+        a = i * rows
+        r = min(rows, R - a)
+        xb = x2[a:a + r]
+        cb = torch.nan_to_num(xb, nan=0.0, posinf=0.0, neginf=0.0, out=cs[:r * C].view(r, C))
+        bb = torch.nan_to_num(xb, nan=1.0, posinf=2.0, neginf=2.0, out=bs[:r * C].view(r, C)).sub_(cb)   # 0, 1 at NaN, 2 at ±inf
+        f = bb.view(-1)
+        torch.sum(f, 0, out=sc[0, i]); torch.dot(f, f, out=sc[1, i]); torch.sum(cb.view(-1), 0, out=sc[2, i])
+        torch.sum(torch.ne(cb, 0, out=bb), 0, out=per[2, i])
+        torch.amax(cb, 0, out=per[0, i]); torch.amin(cb, 0, out=per[1, i])
+        torch.linalg.vector_norm(cb, dim=-1, out=energy[a:a + r])
+        if r > 1: torch.sum(torch.mul(cb[1:], cb[:-1], out=bb[:r - 1]), -1, out=dots[a:a + r - 1])
+        if i: torch.sum(last.mul_(cb[:1]), -1, out=dots[a - 1:a])   # the pair across the blocks' boundary
+        last.copy_(cb[-1:])
+    dots.view(R // T, T)[:, -1] = 0                                # 0 at a sequence's last row, as `_raw_eager` pads
+    cmax, cmin = per[0].amax(0), per[1].amin(0)
+    mx, mn = cmax.max(), cmin.min()
+    smp = torch.nan_to_num(x2.view(-1)[::s], nan=0.0, posinf=0.0, neginf=0.0)   # the same sample `_raw_eager` reads, cleaned alone
+    hist, near = _hist_eager(smp, torch.maximum(mx, -mn), bins, bs[:smp.numel()] if smp.numel() <= bs.numel() else None)
+    s1, s2, total = sc.sum(1)
+    return (s1, s2, total, near, mx, mn), cmax, cmin, per[2].sum(0), energy, dots, hist
+
 # %% ../nbs/01_inject.ipynb #c5c687d9-k0
 EAGER_KERNEL = os.environ.get('OPSCOPE_EAGER_KERNEL', 'aten')  # eager sketches: 'aten' (default) the ATen passes; 'auto' one fused kernel, compiled once per process, for CPU float32 taps of at least FUSED_MIN elements; 'fused' that kernel for every float32 tap on any device
 FUSED_MIN = 1 << 16   # 'auto': smaller taps keep the ATen passes (they cost little, and a process that taps only small tensors never compiles)
@@ -460,7 +501,8 @@ def _raw(x:torch.Tensor, bins:int=64):
     d = _dims(x)
     if d[0] * d[1] == 0: return _empty_packed(x.reshape(d[0], d[1]), bins)
     parts = _raw_fused(x, *d, bins) if _use_fused(x, d[0] * d[1]) else None
-    return (_raw_eager(x, *d, bins) if parts is None else parts), d
+    if parts is None: parts = (_raw_blocked if _blocked(x, d[0], d[0] * d[1]) else _raw_eager)(x, *d, bins)
+    return parts, d
 
 def _packed(x:torch.Tensor, bins:int=64)->torch.Tensor:
     "The sketch of `x` as one flat tensor: the `SCALARS`, then `hist`, `chan_absmax`, `chan_density`, `row_energy` (`_unpack` splits it)."

@@ -204,6 +204,31 @@ def test_fused_taps_counted_and_explained(monkeypatch):
     assert ll['hook_taps'] == lf['injected_taps'] and ll['injected_ms_per_tap'] != lf['injected_ms_per_tap']
 
 
+def test_blocked_taps_counted_as_run(monkeypatch):
+    "With small blocks, the taps the bench counts as blocked are the ones a forward sketches block by block (the contiguous ones over four blocks), and the reasons say how many; the sketches equal the whole-tensor passes'."
+    import opscope.inject as inject
+    m, x = bench_model(1, 128, 16, 2, seed=49)   # two heads: the head-first views are not contiguous
+    gm = trace(m, x)
+    inj = inject_matmul_stats(gm)
+    with torch.no_grad(): _, ref = inj(x)
+    monkeypatch.setattr(inject, 'BLOCK', 256 // torch.get_num_threads())
+    ran, blocked = [], inject._raw_blocked
+    monkeypatch.setattr(inject, '_raw_blocked', lambda x, *a: (ran.append(tuple(x.shape)), blocked(x, *a))[1])
+    with torch.no_grad(): _, got = inj(x)
+    from opscope.bench import _sketched
+    s = _sketched(inj)
+    assert 0 < s['blocked'] == len(ran) < s['sketched']   # the head-permuted views keep the whole-tensor passes
+    assert got.keys() == ref.keys()
+    for k in ref:   # '<site>/<role>/<stat>'
+        if k.rsplit('/', 1)[1] in ('mean', 'std', 'rms', 'adj_cos'):   # from the total sum and the adjacent-row dots: another summation order
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+        else: assert torch.equal(got[k], ref[k]), k                    # counts, extremes, densities, row energies, histograms: exact
+    tab = overhead_table(m, x, repeats=1, ao=False).set_index('method')
+    assert tab.blocked['injected (eager)'] == s['blocked']
+    rep = dict(eager=tab.reset_index(), online=online_table(m, x, every=(8,), steps=8))
+    assert f"({s['blocked']} of them, bigger than four cache blocks, block by block)" in goal_table(rep).set_index('goal').why['injected eager / plain eager']
+
+
 def test_report_goals_and_cli_round_trip(tmp_path, cli):
     rep = bench_report(full=False, miner_rows=2000, repeats=2, compile=False)
     gt = goal_table(rep)
