@@ -414,7 +414,7 @@ def _reasons(rep, got):
         how = (f"{fused} of them by the fused kernel Inductor compiled once for this process (the first fused call took {i.first_call_s:.1f} s), "
                f"the other {int(i.sketched) - fused} by the ATen passes" if fused else "each by about ten ATen passes the eager executor runs one by one")
         blocked = i.get('blocked', np.nan)
-        if np.isfinite(blocked) and blocked > 0: how += f" ({int(blocked)} of them, bigger than four cache blocks, block by block)"
+        if np.isfinite(blocked) and blocked > 0: how += f" ({int(blocked)} of them, three cache blocks or bigger, block by block)"
         return (f"{int(i.sketched)} tensors ({i.elements / 1e6:.1f} M elements) are sketched per forward in {added:.1f} ms "
                 f"({1e6 * added / max(i.elements, 1):.2f} ns per element) on top of a {e.ms['plain forward']:.1f} ms forward, " + how)
     why['injected eager / plain eager'] = eager_why('injected (eager)') + (f"; self time beyond the matmuls: {top}" if top else '')

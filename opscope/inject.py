@@ -336,8 +336,8 @@ def _block()->int:
     return BLOCK * torch.get_num_threads()
 
 def _blocked(x:torch.Tensor, R:int, n:int)->bool:
-    "Whether an eager tap like `x` (`R` rows, `n` elements) runs its passes block by block (`_raw_blocked`): a contiguous CPU tensor of more than four blocks (smaller ones already stay in cache, and a block costs a dozen more operator calls)."
-    return x.device.type == 'cpu' and R > 1 and n > 4 * _block() and x.is_contiguous()
+    "Whether an eager tap like `x` (`R` rows, `n` elements) runs its passes block by block (`_raw_blocked`): a contiguous CPU tensor of three blocks or more (smaller ones mostly stay in cache, and a block costs a dozen more operator calls; measured, three blocks are where blocking starts to pay)."
+    return x.device.type == 'cpu' and R > 1 and n >= 3 * _block() and x.is_contiguous()
 
 def _raw_blocked(x, R, C, T, s, bins):
     "`_raw_eager`'s parts with its passes run over blocks of whole rows (`_block` elements), so every pass after a block's first reads it from the core's cache rather than the whole tensor from memory; the per-block partial results (sums, per-channel extremes and counts) are reduced at the end, per-row ones written in place."

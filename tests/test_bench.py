@@ -205,7 +205,7 @@ def test_fused_taps_counted_and_explained(monkeypatch):
 
 
 def test_blocked_taps_counted_as_run(monkeypatch):
-    "With small blocks, the taps the bench counts as blocked are the ones a forward sketches block by block (the contiguous ones over four blocks), and the reasons say how many; the sketches equal the whole-tensor passes'."
+    "With small blocks, the taps the bench counts as blocked are the ones a forward sketches block by block (the contiguous ones of three blocks or more), and the reasons say how many; the sketches equal the whole-tensor passes'."
     import opscope.inject as inject
     m, x = bench_model(1, 128, 16, 2, seed=49)   # two heads: the head-first views are not contiguous
     gm = trace(m, x)
@@ -226,7 +226,7 @@ def test_blocked_taps_counted_as_run(monkeypatch):
     tab = overhead_table(m, x, repeats=1, ao=False).set_index('method')
     assert tab.blocked['injected (eager)'] == s['blocked']
     rep = dict(eager=tab.reset_index(), online=online_table(m, x, every=(8,), steps=8))
-    assert f"({s['blocked']} of them, bigger than four cache blocks, block by block)" in goal_table(rep).set_index('goal').why['injected eager / plain eager']
+    assert f"({s['blocked']} of them, three cache blocks or bigger, block by block)" in goal_table(rep).set_index('goal').why['injected eager / plain eager']
 
 
 def test_report_goals_and_cli_round_trip(tmp_path, cli):
