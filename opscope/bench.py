@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_bench.ipynb #b002ench
 from __future__ import annotations
-import contextlib, math, os, platform, threading, time
+import contextlib, os, platform, threading, time
 import numpy as np
 import pandas as pd
 import psutil
@@ -196,14 +196,12 @@ def _sketched(inj, kernel:str=None)->dict:
 
 def _blocked_taps(inj, kernel:str=None)->int:
     "How many of the tensors one call of an injected graph sketches run the eager passes block by block (`inject._blocked`) in this process, with `inject.EAGER_KERNEL = kernel`."
-    probe, seen = torch.empty(0), {}
+    probe, seen = torch.empty(0), {}   # probe: a float32 CPU tensor like the bench models' taps
     for n in inj.graph.nodes:
         if n.target is sketch_node and n.args[0] not in seen:
-            shape, stride = _layout_of(n.args[0])
-            numel = math.prod(shape)
-            contiguous = all(st == math.prod(shape[i + 1:]) for i, st in enumerate(stride) if shape[i] > 1)   # torch's rule: a size-1 dim's stride is free
-            seen[n.args[0]] = (contiguous and len(shape) > 1 and not inject._use_fused(probe, numel, kernel)
-                               and inject._blocked(probe, math.prod(shape[:-1]), numel))
+            like = torch.empty_strided(*_layout_of(n.args[0]), device='meta')   # the tap's layout, no data: torch says if it is contiguous
+            R, C = inject._dims(like)[:2]
+            seen[n.args[0]] = like.is_contiguous() and not inject._use_fused(probe, R * C, kernel) and inject._blocked(probe, R, R * C)
     return sum(seen.values())
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2
