@@ -196,12 +196,12 @@ def _sketched(inj, kernel:str=None)->dict:
 
 def _blocked_taps(inj, kernel:str=None)->int:
     "How many of the tensors one call of an injected graph sketches run the eager passes block by block (`inject._blocked`) in this process, with `inject.EAGER_KERNEL = kernel`."
-    probe, seen = torch.empty(0), {}   # probe: a float32 CPU tensor like the bench models' taps
+    seen = {}
     for n in inj.graph.nodes:
         if n.target is sketch_node and n.args[0] not in seen:
-            like = torch.empty_strided(*_layout_of(n.args[0]), device='meta')   # the tap's layout, no data: torch says if it is contiguous
+            like = torch.empty_strided(*_layout_of(n.args[0]))   # the tap's shape and strides as a float32 CPU tensor, like the bench models' taps (never written, so no pages touched)
             R, C = inject._dims(like)[:2]
-            seen[n.args[0]] = like.is_contiguous() and not inject._use_fused(probe, R * C, kernel) and inject._blocked(probe, R, R * C)
+            seen[n.args[0]] = not inject._use_fused(like, R * C, kernel) and inject._blocked(like, R, R * C)   # `_raw`'s own choice, contiguity included
     return sum(seen.values())
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2
