@@ -20,15 +20,17 @@ from .plan import plan, format_plan, format_channels, planned
 from .docs import docs_preview
 from .bench import bench_report, goal_table, save_report
 from .runners import load_factory, load_hf, read_prompts, record_hf
+from .specialize import specialize_model, format_report
 
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX',
            'SWEEP_MAX_STEPS', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS',
-           'CliError', 'cli_errors', 'opscope_probe', 'opscope_shapes', 'check_recording_out', 'recording',
-           'check_whole_out', 'in_range', 'positive', 'opscope_sweep', 'format_findings', 'opscope_mine', 'record_to',
-           'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview',
-           'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record']
+           'SPECIALIZE_MAX_BATCH', 'CliError', 'cli_errors', 'opscope_probe', 'opscope_shapes', 'check_recording_out',
+           'recording', 'check_whole_out', 'in_range', 'positive', 'opscope_sweep', 'format_findings', 'opscope_mine',
+           'record_to', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph',
+           'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record',
+           'opscope_specialize']
 
 # %% ../nbs/09_cli.ipynb #3615fb9d
 class CliError(Exception):
@@ -530,3 +532,46 @@ def _infer_user(out, model, hf, prompts, max_new_tokens, force):
               f"{roles.get('gate', 0)} top-k), {len(df):,} rows → {out}\n")
         found = mine(df)
         print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))
+
+# %% ../nbs/09_cli.ipynb #472a0b90
+SPECIALIZE_MAX_BATCH = 256   # prompts per batch: more is a typo (the calibration captures every layer's input)
+
+def _specialize_inputs(model, hf, prompts, holdout, batch):
+    "(model, calibration batches, held-out batches or None) for --model or --hf, checked before any work."
+    if (model is None) == (hf is None): raise CliError("give one of --model FILE.py:FACTORY or --hf DIR")
+    if hf is None:
+        if prompts is not None or holdout is not None: raise CliError("--prompts and --holdout go with --hf; a factory returns its own batches")
+        m, batches = load_factory(model)
+        return m, batches, None
+    if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
+    texts, held = read_prompts(prompts), (read_prompts(holdout) if holdout is not None else None)
+    m, tok, dec = load_hf(hf)
+    if dec:
+        tok.padding_side = 'left'
+        if tok.pad_token is None: tok.pad_token = tok.eos_token or tok.unk_token
+    enc = lambda ps: [dict(tok(ps[i:i + batch], padding=True, return_tensors='pt')) for i in range(0, len(ps), batch)]
+    return m, enc(texts), (enc(held) if held else None)
+
+# %% ../nbs/09_cli.ipynb #47ae4197
+@call_parse
+def opscope_specialize(model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
+                       hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
+                       prompts:str=None, # with --hf: calibration prompts, one per line
+                       holdout:str=None, # with --hf: held-out prompts, one per line (default: the last third of --prompts)
+                       tolerance:float=None, # encoder: smallest embedding cosine (default 0.995); decoder: share of greedy answers equal to the original's (default: whole-model bf16's)
+                       max_new_tokens:int=24, # decoder: new tokens per held-out prompt
+                       batch:int=4, # with --hf: prompts per batch
+                       threads:int=1, # torch threads for the end-to-end timing
+                       out:str=None, # also write the report here (.csv)
+                      ):
+    "Specialize a user's model end to end — record, mine, measure every kernel per layer, apply, check on held-out inputs — and print what was chosen, the speedup and the error."
+    with cli_errors('opscope-specialize'):
+        if out is not None: check_whole_out(out)
+        in_range('--max_new_tokens', max_new_tokens, 1, 4096); in_range('--batch', batch, 1, SPECIALIZE_MAX_BATCH)
+        in_range('--threads', threads, 1, os.cpu_count() or 1)
+        m, calib, held = _specialize_inputs(model, hf, prompts, holdout, batch)
+        res = specialize_model(m, calib, holdout=held, tolerance=tolerance, max_new_tokens=max_new_tokens, threads=threads, progress=True)
+        print(format_report(res))
+        if out is not None:
+            with atomic_write(out) as tmp: res.report.to_csv(tmp, index=False)
+            print(f"\n{len(res.report)} report rows → {out}")

@@ -553,7 +553,7 @@ INT8_MAX_CREST = crest_at_sqnr(INT8_MIN_SQNR_DB, 8)   # est. SQNR falls to INT8_
 register(Exploit('low-rank', (), 'rank-r factors of the weight (found by the probe: `confirm_low_rank`)',
                  evidence=evidence_lowrank, kernel=kernel_lowrank, cost=cost_lowrank, kernel_arg=arg_rank, plan_order=3))
 register(Exploit('stationary', (Rule('cross', rule_stationary),), 'precompute / prepack what depends on it only'))
-register(Exploit('int8', (Rule('features', rule_quant),), 'int8 GEMM: per-tensor lhs × per-channel weight',
+register(Exploit('int8', (Rule('features', rule_quant),), 'int8 GEMM: per-row lhs × per-channel weight',
                  evidence=evidence_int8, guard=partial(guard_crest, cap=INT8_MAX_CREST), guard_stat='crest',
                  kernel=kernel_int8, cost=cost_int8, plan_order=2))
 register(Exploit('int4', (Rule('features', rule_quant),), 'int4 per-tensor'))

