@@ -162,8 +162,10 @@ def _calls_per_block(timer, block_s):
 
 # %% ../nbs/07_plan.ipynb #d637ef17-s1
 def ab_bench(dense, special, x:torch.Tensor, # two functions of `x`, and the input
-             block_s:float=BENCH_BLOCK_S, rounds:int=BENCH_ROUNDS)->tuple:
-    "(dense_ms, special_ms): medians over `rounds` interleaved blocks timed with `torch.utils.benchmark.Timer`."
+             block_s:float=BENCH_BLOCK_S, rounds:int=BENCH_ROUNDS,
+             summary=np.median, # how the rounds are summarized: the median (a speedup), or `min` (the work itself: a small extra cost)
+            )->tuple:
+    "(dense_ms, special_ms): `summary` (the median) over `rounds` interleaved blocks timed with `torch.utils.benchmark.Timer`."
     import logging  # importing torch.utils.benchmark imports cpp_extension, which warns about CUDA_HOME on CPU-only hosts
     logging.getLogger('torch.utils.cpp_extension').setLevel(logging.ERROR)
     from torch.utils.benchmark import Timer
@@ -172,7 +174,7 @@ def ab_bench(dense, special, x:torch.Tensor, # two functions of `x`, and the inp
     with torch.no_grad():
         nd, ns = _calls_per_block(td, block_s), _calls_per_block(ts, block_s)
         d, s = zip(*[(td.timeit(nd).mean, ts.timeit(ns).mean) for _ in range(rounds)])
-    return 1e3 * float(np.median(d)), 1e3 * float(np.median(s))
+    return 1e3 * float(summary(d)), 1e3 * float(summary(s))
 
 # %% ../nbs/07_plan.ipynb #a7cf8f89
 def _tap(sketches, site, role): return sketches[(sketches.site == site) & (sketches.role == role)]

@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from .exploits import _row_absmax
 from .tables import InputError
 from .recorder import record, _call_args
 from .miner import mine, INT8_MAX_CREST
@@ -186,8 +187,7 @@ def candidates(site:str, lin:nn.Linear, findings:pd.DataFrame, # `mine` of the c
 def _row_crest(x, out=()):
     "Each row's crest absmax·√K/‖row‖ with the `out` channels zeroed (what the int8 kernel's guard computes)."
     xi = x.index_fill(1, torch.as_tensor(list(out), dtype=torch.long), 0) if len(out) else x
-    a = xi.abs().amax(1)
-    return a * math.sqrt(x.shape[1]) / torch.linalg.vector_norm(xi, 2, 1).clamp_min(1e-30)
+    return _row_absmax(xi).squeeze(1) * math.sqrt(x.shape[1]) / torch.linalg.vector_norm(xi, 2, 1).clamp_min(1e-30)
 
 def _choice(exploit, lin, arg, guard, channels, xs):
     "The `Choice` of one candidate, its guard calibrated on the captured rows `xs`, and the guard's text."
@@ -227,12 +227,9 @@ def _once(f, x):
     return 1e3 * min(ts)
 
 def _extra(fn, guarded, x, rounds:int=2 * AB_ROUNDS)->float:
-    "What `guarded` costs over `fn`, as a share of `fn`'s time: the fastest of `rounds` interleaved blocks each (a small extra is lost in the medians' noise; the minimum of each is what the work itself takes)."
-    from torch.utils.benchmark import Timer
-    tf, tg = (Timer('f(x)', globals={'f': f, 'x': x}, num_threads=1) for f in (fn, guarded))
-    n = max(1, round(0.002 / max(tf.timeit(1).mean, 1e-7)))
-    u, g = zip(*[(tf.timeit(n).mean, tg.timeit(n).mean) for _ in range(rounds)])
-    return min(g) / min(u) - 1
+    "What `guarded` costs over `fn`, as a share of `fn`'s time, from the fastest of `rounds` interleaved blocks each (a small extra is lost in the medians' noise; the minimum is what the work itself takes)."
+    u, g = ab_bench(fn, guarded, x, rounds=rounds, summary=min)
+    return g / u - 1
 
 def _time(mod, c, x, dense, timings, key):
     "(dense ms, guarded ms, guard cost as a share of the unguarded kernel's time), cached by `key` (the shape and kernel)."
@@ -285,7 +282,7 @@ def measure_site(site:str, lin:nn.Linear, xs:dict, # regime -> the site's live l
                 with torch.no_grad(): row['guard_admits'] = float(torch.cat([c.kernel.rows(x, c.limit)[1] for x in xs.values()]).float().mean())
         except _NotHere as e:
             row['reason'], choices = str(e), {}
-        except Exception as e:
+        except (RuntimeError, NotImplementedError) as e:             # what torch raises for an op, dtype or shape this backend lacks
             row['reason'], choices = f'unsupported here: {_first_line(e)}', {}
         out.append((row, choices))
     return out
