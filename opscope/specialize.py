@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .exploits import _row_absmax
+from .exploits import lhs_rows, _row_absmax
 from .tables import InputError
 from .recorder import record, _call_args
 from .miner import mine, INT8_MAX_CREST
@@ -127,6 +127,8 @@ def _half(model):
     dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     return dt if dt in (torch.bfloat16, torch.float16) else None
 
+def _first_line(e): return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
 def _run(model, batch, **extra):
     "`model` called on one batch as `record` takes it (a whole-model bf16 reference gets its float inputs in bf16)."
     args, kwargs = _call_args(batch)
@@ -150,15 +152,16 @@ def capture_lhs(model:nn.Module, batch, # one batch, as `record` takes it
     try:
         with torch.no_grad(): _run(model, batch, **extra)
     except Exception as e:
-        raise InputError(f"{where}: the model rejects this batch ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise InputError(f"{where}: the model rejects this batch ({_first_line(e)})") from None
     finally:
         for h in hooks: h.remove()
     return got
 
 # %% ../nbs/07a_specialize.ipynb #a0c94c0d
-def _found(findings, site, exploit, role='lhs'):
-    f = findings[(findings.site == site) & (findings.exploit == exploit) & (findings.role == role)]
-    return sorted(int(i) for i in f.idx) if len(f) and 'idx' in f else ([] if len(f) else None)
+def _found(findings, site, exploit):
+    "The lhs channels of `exploit`'s findings at `site` (`exploits.lhs_rows`), or None when it has none."
+    r = lhs_rows(findings[findings.site == site], exploit)
+    return None if r is None else sorted(int(i) for i in r.idx)
 
 def candidates(site:str, lin:nn.Linear, findings:pd.DataFrame, # `mine` of the calibration sketches
               )->list:
@@ -173,8 +176,8 @@ def candidates(site:str, lin:nn.Linear, findings:pd.DataFrame, # `mine` of the c
             ('prepack', None, '', (), 'wᵀ stored contiguous once')]
     dead = _found(findings, site, 'dead-channels')
     if dead: rows.append(('dead-channels', sorted(set(range(K)) - set(dead)), 'lhs.chan_absmax[channels] <= 0', dead, f'drop {len(dead)}/{K} always-zero channels'))
-    sp = findings[(findings.site == site) & (findings.exploit == 'sparse-gemm') & (findings.role == 'lhs')]
-    if len(sp):
+    sp = lhs_rows(findings[findings.site == site], 'sparse-gemm')
+    if sp is not None:
         d = float(sp.value.iloc[0])
         rows.append(('sparse-gemm', None, synthesize_guard('sparse-gemm', pd.Series([d])), (), f'CSR lhs, skip {1 - d:.0%} zeros'))
     w = lin.weight.detach()
@@ -244,8 +247,6 @@ def _time(mod, c, x, dense, timings, key):
 
 # %% ../nbs/07a_specialize.ipynb #939d7d45
 class _NotHere(Exception): "A candidate that does not apply at this site (the reason is its message)."
-
-def _first_line(e): return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 def measure_site(site:str, lin:nn.Linear, xs:dict, # regime -> the site's live lhs rows in that regime
                  cands:list, # `candidates(...)`
