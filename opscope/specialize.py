@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .exploits import lhs_rows, _row_absmax
+from .exploits import lhs_rows, _row_absmax, int4_grid, INT4_GROUP
 from .tables import InputError
 from .recorder import record, _call_args
 from .miner import mine, INT8_MAX_CREST
@@ -21,11 +21,11 @@ from .probe import rank_at_energy
 from .runners import _is_decoder
 
 # %% auto #0
-__all__ = ['DECODE_ROWS', 'MIN_GAIN', 'ROW_CREST_MARGIN', 'GUARD_READ_EVERY', 'LOWRANK_MAX_ELEMS', 'TRIED', 'UNGUARDED',
-           'REPORT_COLUMNS', 'AB_ROUNDS', 'SKIP_SLOWER', 'ENCODER_MIN_COS', 'E2E_ROUNDS', 'regime', 'Choice',
-           'SpecializedLinear', 'linear_sites', 'left_out', 'capture_lhs', 'candidates', 'measure_site', 'pick',
-           'is_decoder', 'embedding', 'greedy', 'Reference', 'end_to_end', 'Specialized', 'format_report',
-           'specialize_model']
+__all__ = ['DECODE_ROWS', 'MIN_GAIN', 'ROW_CREST_MARGIN', 'GUARD_READ_EVERY', 'LOWRANK_MAX_ELEMS', 'INT4_MAX_FIT_ERR', 'TRIED',
+           'UNGUARDED', 'REPORT_COLUMNS', 'AB_ROUNDS', 'SKIP_SLOWER', 'PASS_SKIP_SLOWER', 'PASS_ROUNDS',
+           'ENCODER_MIN_COS', 'E2E_ROUNDS', 'regime', 'Choice', 'SpecializedLinear', 'linear_sites', 'left_out',
+           'capture_lhs', 'candidates', 'measure_site', 'pick', 'decode_pass', 'is_decoder', 'embedding', 'greedy',
+           'Reference', 'end_to_end', 'Specialized', 'format_report', 'specialize_model']
 
 # %% ../nbs/07a_specialize.ipynb #248e0f95
 DECODE_ROWS = 16      # a call with at most this many rows (tokens × batch) is in the `decode` regime, else `prefill`
@@ -33,6 +33,7 @@ MIN_GAIN = 1.05       # a kernel is applied in a regime only from this measured 
 ROW_CREST_MARGIN = 1.25   # the int8 guard admits rows up to this × the largest per-row crest of the calibration activations
 GUARD_READ_EVERY = 64     # deferred guards (accelerators): the refused-row counter is read every this many calls
 LOWRANK_MAX_ELEMS = 1 << 22   # low-rank is priced only for weights up to this size (an SVD each)
+INT4_MAX_FIT_ERR = 1e-3   # int4-weight is measured where the weight's 4-bit grid fit (`exploits.int4_grid`) is this close: weights dequantized from a 4-bit format
 TRIED = ('bf16', 'fp16', 'int8', 'int8-weight', 'prepack')   # measured at every linear site; the rest need evidence
 
 def regime(rows:int)->str:
@@ -172,7 +173,7 @@ def candidates(site:str, lin:nn.Linear, findings:pd.DataFrame, # `mine` of the c
     rows = [('bf16', None, '', (), 'bfloat16 GEMM, float32 accumulation'),
             ('fp16', None, '', (), 'float16 GEMM, rows guarded to float16 range'),
             ('int8', out, '', out, f"per-row int8 × per-channel int8 weight{f', {len(out)} outlier channel(s) kept float32' if out else ''}"),
-            ('int8-weight', None, '', (), 'weight-only int8, float lhs'),
+            ('int8-weight', None, '', (), 'weight-only int8, bfloat16 lhs'),
             ('prepack', None, '', (), 'wᵀ stored contiguous once')]
     dead = _found(findings, site, 'dead-channels')
     if dead: rows.append(('dead-channels', sorted(set(range(K)) - set(dead)), 'lhs.chan_absmax[channels] <= 0', dead, f'drop {len(dead)}/{K} always-zero channels'))
@@ -184,6 +185,9 @@ def candidates(site:str, lin:nn.Linear, findings:pd.DataFrame, # `mine` of the c
     if w.numel() <= LOWRANK_MAX_ELEMS:
         r, saving = rank_at_energy(w.float(), 0.99)
         if saving > 0: rows.append(('low-rank', r, '', (), f'rank {r} of {min(w.shape)} holds 99% of the weight energy'))
+    fit = int4_grid(w) if w.device.type == 'cpu' else None
+    if fit is not None and fit[3] <= INT4_MAX_FIT_ERR:
+        rows.append(('int4-weight', fit, '', (), f'weight-only int4, bfloat16 lhs: the weight lies on a 4-bit grid per {INT4_GROUP} channels (fit error {fit[3]:.1e})'))
     return rows
 
 # %% ../nbs/07a_specialize.ipynb #b9cd4cf4
@@ -204,7 +208,8 @@ def _choice(exploit, lin, arg, guard, channels, xs):
                      f'row absmax <= {limit:.3g}' if limit is not None else UNGUARDED.get(exploit, 'none'))
     return Choice(exploit, k, limit, guard, channels), text
 
-UNGUARDED = {'bf16': "none needed: float32's range, NaN/Inf pass through", 'int8-weight': 'none needed: the lhs stays float',
+UNGUARDED = {'bf16': "none needed: float32's range, NaN/Inf pass through", 'int8-weight': "none needed: its bfloat16 lhs keeps float32's range",
+             'int4-weight': "none needed: its bfloat16 lhs keeps float32's range",
              'prepack': 'none needed: exact', 'low-rank': 'none: weight-only, judged end to end'}
 
 REPORT_COLUMNS = ['site', 'exploit', 'applied', 'reason', 'regimes', 'speedup_prefill', 'speedup_decode', 'dense_ms_prefill',
@@ -213,6 +218,7 @@ REPORT_COLUMNS = ['site', 'exploit', 'applied', 'reason', 'regimes', 'speedup_pr
 
 AB_ROUNDS = 5       # interleaved rounds of each site A/B (every kernel at every shape: fewer than `plan.BENCH_ROUNDS`)
 SKIP_SLOWER = 3.0   # a kernel whose single call takes this × the dense op's is reported from those calls, not benchmarked further
+PASS_SKIP_SLOWER = 10.0   # the same for the decode pass: alone, a weight-bound kernel can lose 3× to a dense op whose weight sits in cache and still win in a step
 
 def _guard_only(c):
     "The guarded path of `c` with every row admitted: what the guard itself adds to the kernel."
@@ -234,16 +240,16 @@ def _extra(fn, guarded, x, rounds:int=2 * AB_ROUNDS)->float:
     u, g = ab_bench(fn, guarded, x, rounds=rounds, summary=min)
     return g / u - 1
 
-def _time(mod, c, x, dense, timings, key):
-    "(dense ms, guarded ms, guard cost as a share of the unguarded kernel's time), cached by `key` (the shape and kernel)."
-    if key not in timings:
+def _time(mod, c, x, dense, timings, key, ab:bool=True):
+    "(dense ms, guarded ms, guard cost as a share of the unguarded kernel's time), cached by `key` (the shape and kernel); with `ab=False` the times are None (left to `decode_pass`) unless one call shows a trap."
+    if (key, ab) not in timings:
         d1, s1 = _once(dense, x), _once(mod, x)
-        if s1 > SKIP_SLOWER * d1: timings[key] = (d1, s1, math.nan)      # a trap: one call says enough
+        if s1 > (SKIP_SLOWER if ab else PASS_SKIP_SLOWER) * d1: timings[key, ab] = (d1, s1, math.nan)      # a trap: one call says enough
         else:
-            d, s = ab_bench(dense, mod, x, rounds=AB_ROUNDS)
+            d, s = ab_bench(dense, mod, x, rounds=AB_ROUNDS) if ab else (None, None)
             g = _guard_only(c)
-            timings[key] = (d, s, _extra(c.kernel.fn, g, x) if g is not None else 0.0)
-    return timings[key]
+            timings[key, ab] = (d, s, _extra(c.kernel.fn, g, x) if g is not None else 0.0)
+    return timings[key, ab]
 
 # %% ../nbs/07a_specialize.ipynb #939d7d45
 class _NotHere(Exception): "A candidate that does not apply at this site (the reason is its message)."
@@ -251,6 +257,7 @@ class _NotHere(Exception): "A candidate that does not apply at this site (the re
 def measure_site(site:str, lin:nn.Linear, xs:dict, # regime -> the site's live lhs rows in that regime
                  cands:list, # `candidates(...)`
                  timings:dict=None, # a shared cache: shape and kernel -> timings
+                 timed:tuple=None, # the regimes A/B'd here (default: all); the others are left to `decode_pass`, after a one-call trap check
                 )->list:
     "One report row and its {regime: `Choice`} (empty: it cannot run here) per candidate: guard, its cost, the site's error and the A/B at each regime."
     timings = {} if timings is None else timings
@@ -270,11 +277,11 @@ def measure_site(site:str, lin:nn.Linear, xs:dict, # regime -> the site's live l
                 mod = SpecializedLinear(lin, {r: choices[r]}, site)
                 key = (exploit, tuple(x.shape), tuple(w.shape), b is None, len(ch), site if guard else '')
                 with torch.no_grad():
-                    d, s_, cost = _time(mod, choices[r], x, dense, timings, key)
+                    d, s_, cost = _time(mod, choices[r], x, dense, timings, key, timed is None or r in timed)
                     if r == max(regs, key=lambda q: len(xs[q])):
                         yd, ys = dense(x), mod(x)
                         row['site_error'] = float((ys - yd).norm() / yd.norm().clamp_min(1e-30))
-                row.update({f'dense_ms_{r}': d, f'special_ms_{r}': s_, f'speedup_{r}': d / s_, f'M_{r}': x.shape[0]})
+                row.update({f'dense_ms_{r}': d, f'special_ms_{r}': s_, f'speedup_{r}': d / s_ if d else None, f'M_{r}': x.shape[0]})
                 costs.append(cost)
             row['exact'] = bool(choices[regs[0]].kernel.exact)
             row['guard_cost'] = max((c for c in costs if c == c), default=math.nan)   # NaN: a trap measured once
@@ -293,10 +300,43 @@ def pick(measured:list, calls:dict, # regime -> calls per forward (or per genera
     "Per regime, the fastest candidate measured at `MIN_GAIN` or more: ({regime: (row index, Choice)}, time saved per run in ms)."
     best = {}
     for r in calls:
-        ok = [(row[f'speedup_{r}'], i) for i, (row, ch) in enumerate(measured) if r in ch and row.get(f'speedup_{r}', 0) >= MIN_GAIN]
+        ok = [(row[f'speedup_{r}'], i) for i, (row, ch) in enumerate(measured) if r in ch and (row.get(f'speedup_{r}') or 0) >= MIN_GAIN]
         if ok: best[r] = max(ok)[1]
     gain = sum(calls[r] * (measured[i][0][f'dense_ms_{r}'] - measured[i][0][f'special_ms_{r}']) for r, i in best.items())
     return {r: (i, measured[i][1][r]) for r, i in best.items()}, gain
+
+# %% ../nbs/07a_specialize.ipynb #929ebf7d
+PASS_ROUNDS = 5    # interleaved rounds of `decode_pass` (one pass per kernel each)
+
+def _sync(x):
+    "Wait for the device, so a host clock brackets the work (a no-op on the CPU)."
+    if x.device.type == 'cuda': torch.cuda.synchronize(x.device)
+
+def decode_pass(measured:dict, # site -> `measure_site(..., timed=('prefill',))`'s [(row, choices)], in module order
+                sites:dict, # site -> its nn.Linear
+                xs:dict, # site -> its decode rows
+                rounds:int=PASS_ROUNDS)->dict:
+    "Time the decode regime as a decode step runs it (every site once per pass, in module order; one pass per kernel, interleaved); fills the rows' `dense_ms_decode`, `special_ms_decode` and `speedup_decode` in place (traps keep their one-call times) and returns {site: dense ms}."
+    fns = {s: {None: sites[s]} for s in measured}
+    for s, ms in measured.items():
+        for i, (row, ch) in enumerate(ms):
+            if 'decode' in ch and row.get('special_ms_decode') is None: fns[s][row['exploit']] = SpecializedLinear(sites[s], {'decode': ch['decode']}, s)
+    names = [None] + sorted({n for f in fns.values() for n in f if n is not None})
+    ts = {(s, n): [] for s, f in fns.items() for n in f}
+    with torch.no_grad():
+        for r in range(rounds + 1):                   # round 0 warms every kernel up
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                for s, f in fns.items():
+                    fn, x = f.get(n, f[None]), xs[s]
+                    _sync(x); t = time.perf_counter(); fn(x); _sync(x); t = time.perf_counter() - t
+                    if r and n in f: ts[s, n].append(t)
+    dense = {s: 1e3 * float(np.median(ts[s, None])) for s in fns}
+    for s, ms in measured.items():
+        for row, ch in ms:
+            if (s, row['exploit']) in ts:
+                sp = 1e3 * float(np.median(ts[s, row['exploit']]))
+                row.update(dense_ms_decode=dense[s], special_ms_decode=sp, speedup_decode=dense[s] / sp)
+    return dense
 
 # %% ../nbs/07a_specialize.ipynb #83dd7aed
 ENCODER_MIN_COS = 0.995   # default tolerance of an encoder: the smallest cosine of a pooled embedding to the original's
@@ -487,17 +527,22 @@ def _measure_all(sites, caps, calib, decoder, n, findings, progress):
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(it, desc='measure sites', total=len(sites), leave=False)
+    every, regs, decode_rows = {}, {}, {}
     for site, lin in it:
         big = max(range(len(caps)), key=lambda i: len(caps[i].get(site, ())))
         if site not in caps[big]:
-            rows.append(dict(site=site, exploit='', applied=False, reason='not called on the calibration batches'))
+            every[site] = dict(site=site, exploit='', applied=False, reason='not called on the calibration batches')
             continue
         xs = _regime_rows(caps[big][site], calib[big], decoder)
-        measured = measure_site(site, lin, xs, candidates(site, lin, findings), timings)
-        picks, gain = pick(measured, calls or {r: 1 for r in xs})
+        every[site], regs[site] = measure_site(site, lin, xs, candidates(site, lin, findings), timings, timed=('prefill',) if decoder else None), list(xs)
+        if 'decode' in xs and decoder: decode_rows[site] = xs['decode']
+    if decode_rows: decode_pass({s: every[s] for s in decode_rows}, {s: sites[s] for s in decode_rows}, decode_rows)
+    for site, measured in every.items():
+        if isinstance(measured, dict): rows.append(measured); continue
+        picks, gain = pick(measured, calls or {r: 1 for r in regs[site]})
         for i, (row, c) in enumerate(measured):
-            regs = [r for r, (j, _) in picks.items() if j == i]
-            row.update(applied=bool(regs), regimes=' '.join(regs), reason='' if regs else _reason(measured, i, picks))
+            on = [r for r, (j, _) in picks.items() if j == i]
+            row.update(applied=bool(on), regimes=' '.join(on), reason='' if on else _reason(measured, i, picks))
             rows.append(row)
         if picks: chosen[site], gains[site] = {r: c for r, (_, c) in picks.items()}, gain
     return rows, chosen, gains

@@ -46,6 +46,9 @@ def test_decoder_keeps_class_and_generate(llama):
     assert res.error['greedy_equal'] >= res.tolerance * res.error['prompts'] - 1e-9
     assert {'prefill_tok_s', 'decode_tok_s', 'tok_s'} <= set(res.e2e.columns)
     assert 'end to end' in format_report(res)
+    timed = res.report[res.report.exploit != '']
+    dec = timed[timed.speedup_decode.notna() & timed.guard_cost.notna()]     # NaN guard cost: a trap, reported from one call alone
+    assert len(dec) and dec.groupby('site').dense_ms_decode.nunique().eq(1).all()   # decode timed in one pass: one dense time per site
 
 
 def test_decoder_bad_input(llama):
@@ -78,3 +81,18 @@ def test_gemm_layers_left_out_are_named():
     assert left_out(tiny_decoder('gpt2')) == 'specialize_model replaces nn.Linear layers only; left as they are: 8 Conv1D'
     assert 'NonDynamicallyQuantizableLinear' in left_out(nn.TransformerEncoderLayer(16, 2))
     assert left_out(nn.Sequential(nn.Linear(2, 2))) == ''
+
+
+def test_int4_candidate_needs_a_4bit_grid():
+    "int4-weight is measured only where the weight lies on a 4-bit grid per group (as dequantized GGUF Q4 weights do)."
+    import pandas as pd
+    from opscope.specialize import candidates
+    from opscope.exploits import int4_grid
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    none = pd.DataFrame(columns=['site', 'exploit', 'role', 'idx', 'value'])
+    assert 'int4-weight' not in [c[0] for c in candidates('s', lin, none)]          # float-trained: no evidence
+    q, step, low, _ = int4_grid(lin.weight.detach())
+    with torch.no_grad(): lin.weight.copy_((q.reshape(48, 2, 32) * step[..., None] + low[..., None]).reshape(48, 64))
+    c = {c[0]: c for c in candidates('s', lin, none)}
+    assert 'int4-weight' in c and 'fit error' in c['int4-weight'][4]
