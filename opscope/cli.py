@@ -4,10 +4,10 @@
 
 # %% ../nbs/09_cli.ipynb #d15a85aa
 from __future__ import annotations
-import contextlib, math, os, signal, sys, tempfile, warnings
+import argparse, contextlib, functools, inspect, math, os, signal, sys, tempfile, warnings
 from pathlib import Path
 import pandas as pd
-from fastcore.script import call_parse, Param
+from fastcore.script import anno_parser, Param
 from .tables import InputError, atomic_write
 from .zoo import MODELS, INFER_MODELS, model_names, get_model, infer_workload
 from .recorder import Recorder, COMMIT_SUFFIX, record, read_sketches, sweep, SWEEP_SHAPES
@@ -26,11 +26,11 @@ from .specialize import specialize_model, format_report
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX',
            'SWEEP_MAX_STEPS', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS',
-           'SPECIALIZE_MAX_BATCH', 'CliError', 'cli_errors', 'opscope_probe', 'opscope_shapes', 'check_recording_out',
-           'recording', 'check_whole_out', 'in_range', 'positive', 'opscope_sweep', 'format_findings', 'opscope_mine',
-           'record_to', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph',
-           'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record',
-           'opscope_specialize']
+           'SPECIALIZE_MAX_BATCH', 'CliError', 'cli_errors', 'kebab_options', 'command', 'opscope_probe',
+           'opscope_shapes', 'check_recording_out', 'recording', 'check_whole_out', 'in_range', 'positive',
+           'opscope_sweep', 'format_findings', 'opscope_mine', 'record_to', 'opscope_seq', 'opscope_mnist',
+           'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer',
+           'opscope_bench', 'opscope_record', 'opscope_specialize']
 
 # %% ../nbs/09_cli.ipynb #3615fb9d
 class CliError(Exception):
@@ -57,11 +57,38 @@ def cli_errors(prog:str): # the command's name, printed before the message
         print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
 
+# %% ../nbs/09_cli.ipynb #0132e515-s2
+def kebab_options(p:argparse.ArgumentParser)->argparse.ArgumentParser:
+    "`p` with every `--snake_case` option also taking the spelling `--kebab-case`: one argument, two option strings."
+    for a in p._actions:
+        for s in [s for s in a.option_strings if s.startswith('--') and '_' in s]:
+            k = s.replace('_', '-')
+            if k not in p._option_string_actions: a.option_strings.append(k); p._option_string_actions[k] = a
+    return p
+
+# %% ../nbs/09_cli.ipynb #0132e515-s3
+def _entry_point(frame)->bool:
+    "True when `frame` runs the top level of a file as `__main__` (an installed console script, `python file.py`), as `call_parse` decides."
+    g = frame.f_globals if frame is not None else {}
+    if frame is None or frame.f_locals is not g or g.get('__name__') != '__main__' or not g.get('__file__'): return False
+    return Path(g['__file__']).resolve() == Path(frame.f_code.co_filename).resolve()
+
+# %% ../nbs/09_cli.ipynb #0132e515-s4
+def command(func):
+    "`fastcore.script.call_parse` with both spellings of every option: run as a console script it parses `sys.argv`; called, it is `func`."
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        if args or kwargs or not _entry_point(inspect.currentframe().f_back): return func(*args, **kwargs)
+        ns = vars(kebab_options(anno_parser(func)).parse_args())
+        for k in ('pdb', 'xtra'): ns.pop(k, None)      # fastcore's hidden debugging options
+        return func(**ns)
+    return run
+
 # %% ../nbs/09_cli.ipynb #617c831f
 PROBE_MAX_BATCH = dict(mnist=5000, minilm=8, transformer=4096)
 PROBE_WHY = dict(mnist="images of the offline MNIST subset", minilm="the example sentences", transformer="tokens; activations are dumped whole")
 
-@call_parse
+@command
 def opscope_probe(model:str='mnist', # mnist, minilm or transformer
                   dump:str=None, # also save the probed tensors to this .safetensors file
                   batch:int=64, # activation batch: images, sentences (minilm: at most 8) or tokens/8 sequences
@@ -97,7 +124,7 @@ def _probe_sweep(path, seed):
 # %% ../nbs/09_cli.ipynb #3a9abdd0
 SHAPES_MAX_BATCH = 4096
 
-@call_parse
+@command
 def opscope_shapes(model:Param(f"{', '.join(model_names('shapes'))}, or a torchvision classifier (resnet50, vit_b_16, ...)",
                                str, opt=False, nargs='?')='transformer',
                    batch:int=1, # batch size
@@ -213,7 +240,7 @@ SEED_MAX = 2**32 - 1          # numpy's and torch's generators both take it
 SWEEP_MAX_STEPS = 100_000     # 2.8 M calls: days of work, so a typo, not a plan
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s9
-@call_parse
+@command
 def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory (trailing / or no extension)
                   steps:int=4, # calls per (shape, distribution) run
                   seed:int=0, # value seed
@@ -256,7 +283,7 @@ def format_findings(findings, sketches=None)->str:
     return '\n'.join('  '.join([c.ljust(w[i]) for i, c in enumerate(r[:5])] + [r[5]]) for r in rows)
 
 # %% ../nbs/09_cli.ipynb #6de96b55
-@call_parse
+@command
 def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet dataset directory, from opscope-sweep / record
                  out:str=None, # also write the findings table here (.csv)
                  engine:str='pandas', # pandas (in memory), duckdb (out of core: sketches larger than memory) or dask (a cluster)
@@ -310,7 +337,7 @@ def _record_zoo(cmd, name, what, n, lo, hi, why, seed, out, force):
         record_to(out, lambda: zm.workload(n, seed), name, zm.dist, cmd, force)
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c-s2
-@call_parse
+@command
 def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                 steps:Param('calls: one prefill, then decode calls', int, opt=False, nargs='?')=16,
                 seed:int=0, # the token stream's seed
@@ -320,7 +347,7 @@ def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a 
     _record_zoo('opscope-seq', 'seq', 'STEPS', steps, 2, SEQ_MAX_STEPS, "a prefill and decode calls; the token stream is built in memory", seed, out, force)
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c-s3
-@call_parse
+@command
 def opscope_mnist(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                   batches:Param('batches of 64 real MNIST images', int, opt=False, nargs='?')=12,
                   seed:int=0, # the shuffle's seed
@@ -337,7 +364,7 @@ def _print_df(df, empty:str):
     print(df.to_string(index=False) if len(df) else empty)
 
 # %% ../nbs/09_cli.ipynb #bd0de43e-s1
-@call_parse
+@command
 def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int, opt=False, nargs='?')=6,
                    max_len:int=4, # longest chain counted, in ops
                   ):
@@ -350,7 +377,7 @@ def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int
         _print_df(op_motifs(g, max_len), 'no recurring chains')
 
 # %% ../nbs/09_cli.ipynb #bd0de43e-s2
-@call_parse
+@command
 def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='?')=6,
                  model:Param("which zoo model", str, opt=False, nargs='?', choices=list(model_names('flow')))='transformer',
                  depth:int=64, # blocks longer than this are split into single-use trees
@@ -364,7 +391,7 @@ def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='
         _print_df(dataflow_motifs(g, depth), 'no repeated blocks')
 
 # %% ../nbs/09_cli.ipynb #bd0de43e-s3
-@call_parse
+@command
 def opscope_graph(file:str, # a graph file: .txt/.edges/.el edge list, .onnx, or .pt2 (torch.export)
                   max_len:int=4, # longest op chain counted
                   top:int=10, # how many op chains to print
@@ -381,7 +408,7 @@ def opscope_graph(file:str, # a graph file: .txt/.edges/.el edge list, .onnx, or
         _print_df(op_motifs(g, max_len).head(top), 'none')
 
 # %% ../nbs/09_cli.ipynb #365c546c
-@call_parse
+@command
 def opscope_docs_preview(out_dir:str, # folder for the HTML pages (created; pages already there are replaced)
                          pages:str='', # comma-separated notebook names to build (default: every sidebar page)
                         ):
@@ -407,7 +434,7 @@ def _plan_exploits(exploits, planned):
     return names
 
 # %% ../nbs/09_cli.ipynb #bd77f25b-s1
-@call_parse
+@command
 def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / opscope-sweep
                  out:str=None, # also write the plan table here (.csv)
                  seed:int=0, # seed of the benchmark data drawn to match each sketch
@@ -439,7 +466,7 @@ def _infer_report(found)->str:
     return '\n'.join('  '.join(c.ljust(w[i]) for i, c in enumerate(r[:3])) + '  ' + r[3] for r in rows)
 
 # %% ../nbs/09_cli.ipynb #667a11d5-s1
-@call_parse
+@command
 def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                   model:str=None, # transformer, moe or minilm (default: all three), or FILE.py:FACTORY
                   steps:int=2, # batches per model
@@ -469,7 +496,7 @@ def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or 
         print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))
 
 # %% ../nbs/09_cli.ipynb #c11bench2
-@call_parse
+@command
 def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torch.compile, mines 10^7 rows) instead of the small ones
                   out:str=None, # also save every table to this CSV (read back with `opscope.bench.load_report`)
                   miner_rows:int=None, # rows for the miner throughput (default 10^7 with --full, 3·10^4 without)
@@ -492,8 +519,8 @@ def _user_job(model, hf, prompts, max_new_tokens, keep):
     if hf is not None:
         if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
         if max_new_tokens < 1: raise CliError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
-        texts = read_prompts(prompts); load_hf(hf)
-        return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens)
+        texts, loaded = read_prompts(prompts), load_hf(hf)      # loaded once, before OUT is touched
+        return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens, loaded=loaded)
     m, batches = load_factory(model)
     name = model.rpartition(':')[2]
     return name, lambda sink: record(m, batches, run_id=name, sink=sink, progress=True, keep=keep)
@@ -505,7 +532,7 @@ def _counts(r)->str:
     return f"{rows:,} rows: {steps} steps × {sites} sites"
 
 # %% ../nbs/09_cli.ipynb #f374fc4b-s2
-@call_parse
+@command
 def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a dataset directory
                    model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
                    hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
@@ -553,7 +580,7 @@ def _specialize_inputs(model, hf, prompts, holdout, batch):
     return m, enc(texts), (enc(held) if held else None)
 
 # %% ../nbs/09_cli.ipynb #47ae4197
-@call_parse
+@command
 def opscope_specialize(model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
                        hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
                        prompts:str=None, # with --hf: calibration prompts, one per line

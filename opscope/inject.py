@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_inject.ipynb #033c35b0
 from __future__ import annotations
-import contextlib, copy, functools, io, math, operator, os, threading, time, warnings, weakref
+import contextlib, copy, functools, io, logging, math, operator, os, threading, time, warnings, weakref
 from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from .tables import InputError
+from .tables import InputError, ModelError
 
 # %% auto #0
 __all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
@@ -53,6 +53,16 @@ def _eager_experts(model):
     impl = getattr(getattr(model, 'config', None), '_experts_implementation', None)
     return impl == 'eager' and any(type(m).__name__.endswith('Experts') for m in model.modules())
 
+# %% ../nbs/01_inject.ipynb #3a0ebbbb-s5
+@contextlib.contextmanager
+def _quiet_export():
+    "Hold back torch.export's warning that a `Dim.AUTO` dimension of size 0 or 1 was specialized (a decode step's one token), unless the user set that logger's level (`TORCH_LOGS`)."
+    log = logging.getLogger('torch._export.non_strict_utils')
+    level = log.level
+    if level == logging.NOTSET: log.setLevel(logging.ERROR)
+    try: yield
+    finally: log.setLevel(level)
+
 # %% ../nbs/01_inject.ipynb #3a0ebbbb-s3
 def trace(model:nn.Module, # the model to trace (left untouched)
           *example_inputs, # positional inputs for one call
@@ -70,13 +80,14 @@ def trace(model:nn.Module, # the model to trace (left untouched)
         except Exception as e:
             if how == 'fx': raise
             fx_error = e
-    try: ep = torch.export.export(model, tuple(example_inputs), example_kwargs or None, strict=False,
-                                  dynamic_shapes=_auto_dims(model, example_inputs, example_kwargs))
+    try:
+        with _quiet_export(): ep = torch.export.export(model, tuple(example_inputs), example_kwargs or None, strict=False,
+                                                       dynamic_shapes=_auto_dims(model, example_inputs, example_kwargs))
     except Exception as e:
-        if _eager_experts(model): raise RuntimeError(EAGER_EXPERTS.format(type(model).__name__)) from e
+        if _eager_experts(model): raise ModelError(EAGER_EXPERTS.format(type(model).__name__)) from e
         msg = f"cannot trace {type(model).__name__}: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         if fx_error is not None: msg += f"; torch.fx failed first ({type(fx_error).__name__}: {str(fx_error).splitlines()[0]})"
-        raise RuntimeError(msg) from e
+        raise ModelError(msg) from e
     gm = ep.module()
     gm.meta['opscope_tracer'] = 'export'
     return gm
@@ -1473,9 +1484,19 @@ def _infer_kind(gm, node):
         return 'topk', 'topk', _arg(node, 2, 'dim', -1)
     return None
 
+CAST_TARGETS = {_aten._to_copy.default, _aten.to.dtype, torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as}
+
+def _is_cast(n):
+    "A node that only changes its input's dtype."
+    return (n.op == 'call_function' and n.target in CAST_TARGETS
+            or n.op == 'call_method' and n.target in ('to', 'float', 'half', 'bfloat16', 'type_as'))
+
 def _is_router(gm, node):
-    "A softmax feeding a top-k directly is a router: the gate tap covers it."
-    return any(c is not None and c[0] == 'topk' for c in (_infer_kind(gm, u) for u in node.users))
+    "A router's softmax, which the gate tap at its top-k covers: one that feeds a top-k (scores, then the k best: Mixtral) or one over a top-k's values (the k best, then their weights: GraniteMoE, GPT-OSS), a cast between them allowed."
+    topk = lambda n: (_infer_kind(gm, n) or ('',))[0] == 'topk'
+    feeds = lambda n, hops: any(topk(u) or hops and _is_cast(u) and feeds(u, hops - 1) for u in n.users)
+    src = node.args[0] if node.args else None
+    return feeds(node, 2) or isinstance(src, fx.Node) and walk_up(src, lambda n: topk(n) or n.target is operator.getitem and topk(n.args[0]), 3) is not None
 
 # %% ../nbs/01_inject.ipynb #8f6d702a
 def infer_sites(gm:fx.GraphModule, # from `trace`

@@ -16,18 +16,18 @@ from .exploits import (REGISTRY, Exploit, Rule, register, rules, guard_dead, gua
 
 # %% auto #0
 __all__ = ['KEYS', 'FINDINGS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO', 'OUTLIER_PERSIST',
-           'SPIKY_KURTOSIS', 'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB', 'INT4_MIN_SQNR_DB',
-           'COHERENCE_MIN', 'CROSS_STATS', 'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P', 'COHERENCE_VN_MAX',
-           'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX', 'WINDOW_LIFT',
-           'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'NONFINITE_MAX', 'STEP_STATS', 'INT8_MAX_CREST', 'EXPLOITS',
-           'INFER_EXPLOITS', 'MASK_VETO', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING', 'RANK_COLUMNS', 'crest_nz',
-           'est_sqnr_db', 'crest_at_sqnr', 'tap_features', 'derived_features', 'rule_sparse', 'rule_quant',
-           'rule_spiky', 'rule_tokens', 'rule_coherence', 'rule_deep_dump', 'rule_dead_channels',
-           'rule_outlier_channels', 'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary',
-           'cross_step', 'cross_table', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink',
-           'rule_kv_eviction', 'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'step_frame',
-           'drop_nonfinite_steps', 'rule_nonfinite', 'rule_constant', 'mine', 'drop_masked', 'collect_findings',
-           'confirm_low_rank']
+           'OUTLIER_TOP_RATIO', 'OUTLIER_TOP_P', 'OUTLIER_MIN_ROWS', 'OUTLIER_MIN_STEPS', 'SPIKY_KURTOSIS',
+           'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB', 'INT4_MIN_SQNR_DB', 'COHERENCE_MIN', 'CROSS_STATS',
+           'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P', 'COHERENCE_VN_MAX', 'SINK_RATIO', 'SINK_MIN_SHARE',
+           'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX', 'WINDOW_LIFT', 'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO',
+           'NONFINITE_MAX', 'STEP_STATS', 'INT8_MAX_CREST', 'EXPLOITS', 'INFER_EXPLOITS', 'MASK_VETO',
+           'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING', 'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr',
+           'tap_features', 'derived_features', 'rule_sparse', 'rule_quant', 'rule_spiky', 'rule_tokens',
+           'rule_coherence', 'rule_deep_dump', 'rule_dead_channels', 'rule_outlier_channels', 'step_ratios',
+           'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary', 'cross_step', 'cross_table',
+           'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction', 'rule_windowed',
+           'rule_experts', 'infer_features', 'step_table', 'step_frame', 'drop_nonfinite_steps', 'rule_nonfinite',
+           'rule_constant', 'mine', 'drop_masked', 'collect_findings', 'confirm_low_rank']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
@@ -112,8 +112,12 @@ def derived_features(f, steps):
 # %% ../nbs/03_miner.ipynb #bd89fbcb
 SPARSE_DENSITY_MAX = 0.6
 DEAD_CHANNEL_DENSITY = 0.0
-OUTLIER_RATIO = 6.0
-OUTLIER_PERSIST = 0.75
+OUTLIER_RATIO = 6.0       # a channel this many times the median channel's absmax on a step ...
+OUTLIER_PERSIST = 0.75    # ... on at least this share of the evidence steps is an outlier channel
+OUTLIER_TOP_RATIO = 4.0   # so is a channel at least this many times the median on every evidence step, ranked ≤ r on each ...
+OUTLIER_TOP_P = 0.01      # ... when exchangeable channels would put one there by chance (C·(r/C)^n) at most this often
+OUTLIER_MIN_ROWS = 4      # a step is evidence for a channel claim when the tap saw at least this many rows in it ...
+OUTLIER_MIN_STEPS = 2     # ... and a claim needs at least this many evidence steps (one step shows no persistence)
 SPIKY_KURTOSIS = 10.0
 TOKEN_ROWS90_MAX = 0.3
 DEEP_DUMP_RHO = 8.0
@@ -190,27 +194,53 @@ def rule_dead_channels(sketches):
 
 # %% ../nbs/03_miner.ipynb #bc219932-s1
 def rule_outlier_channels(sketches):
-    "`channel-outliers`: channels OUTLIER_RATIO× the median channel's absmax in at least OUTLIER_PERSIST of steps."
+    "`channel-outliers`: on the (at least OUTLIER_MIN_STEPS) steps with at least OUTLIER_MIN_ROWS rows, channels > OUTLIER_RATIO× the median channel's absmax in OUTLIER_PERSIST of them, or ≥ OUTLIER_TOP_RATIO× in every one at a rank chance would not give (OUTLIER_TOP_P)."
     return outlier_rows(_outlier_share(sketches))
 
 # %% ../nbs/03_miner.ipynb #bc219932-s2
-def _outlier_share(df):
-    "Per (tap, channel): the share of steps its absmax is > OUTLIER_RATIO× the step's median channel's, and its mean ratio."
+def _few_rows(df, min_rows=None):
+    "(tap, step)s whose tap saw fewer than `min_rows` (OUTLIER_MIN_ROWS) rows: valued `row_energy` rows (a tap that writes none is not judged)."
+    r = df[df.stat == 'row_energy']
+    n = r.value.notna().groupby([r[k] for k in KEYS + ['step']], observed=True).sum()
+    return n[n < (OUTLIER_MIN_ROWS if min_rows is None else min_rows)].index
+
+def step_ratios(c:pd.DataFrame, # `chan_absmax` rows
+               )->pd.DataFrame:
+    "Each row's ratio to its (tap, step)'s median channel `med`, whether it passes OUTLIER_RATIO (`hit`), and its rank in the step, largest first, where its ratio reaches OUTLIER_TOP_RATIO (below it, the channel count: no rank is needed there) (shared with the Dask engine)."
+    gid = c.groupby(KEYS + ['step'], observed=True, sort=False).ngroup().to_numpy()     # one factorization of the keys
+    v = c.value.to_numpy(dtype=float)
+    med = pd.Series(v).groupby(gid).transform('median').to_numpy()
+    ratio = v / np.where(med > 0, med, np.nan)
+    rank = np.bincount(gid)[gid].astype(float)
+    top = ratio >= OUTLIER_TOP_RATIO       # every value above such a row is one too, so ranking these alone ranks them in the step
+    if top.any(): rank[top] = pd.Series(ratio[top]).groupby(gid[top]).rank(method='min', ascending=False).to_numpy()
+    return c[KEYS + ['step', 'idx']].assign(ratio=ratio, hit=(ratio > OUTLIER_RATIO).astype(float), rank=rank, med=med)
+
+def _outlier_share(df, min_rows=None):
+    "Per (tap, channel) over the tap's evidence steps (≥ `min_rows` rows): share of steps past OUTLIER_RATIO, mean and least ratio, worst rank; the tap's evidence steps, distinct ones (`draws`: a repeated tensor is one draw), skipped steps and channels."
     c = df[df.stat == 'chan_absmax']
-    med = c.groupby(KEYS + ['step'], observed=True).value.transform('median')
-    r = c[KEYS + ['idx']].assign(ratio=c.value / med.where(med > 0))
-    r['hit'] = r.ratio > OUTLIER_RATIO
-    return r.groupby(KEYS + ['idx'], observed=True).agg(share=('hit', 'mean'), value=('ratio', 'mean')).reset_index()
+    ok = ~pd.MultiIndex.from_frame(c[KEYS + ['step']]).isin(_few_rows(df, min_rows))
+    r = step_ratios(c[ok])
+    per = r.groupby(KEYS + ['idx'], observed=True, sort=False).agg(share=('hit', 'mean'), value=('ratio', 'mean'), lo=('ratio', 'min'), rank=('rank', 'max'))
+    st = r.groupby(KEYS + ['step'], observed=True, sort=False).agg(n=('idx', 'size'), med=('med', 'first'))
+    taps = st.groupby(level=KEYS, observed=True).agg(steps=('n', 'size'), draws=('med', 'nunique'), channels=('n', 'max'))
+    taps['few'] = c[~ok].groupby(KEYS, observed=True).step.nunique().reindex(taps.index, fill_value=0)
+    return per.reset_index().merge(taps.reset_index(), on=KEYS)
 
 # %% ../nbs/03_miner.ipynb #bc219932-s3
 def outlier_rows(per):
-    "`channel-outliers` findings from `_outlier_share`'s table (shared with the DuckDB engine)."
-    out = per[per.share >= OUTLIER_PERSIST].copy()
+    "`channel-outliers` findings from `_outlier_share`'s table (shared with the out-of-core engines)."
+    C, n = per.channels.astype(float), per.draws.astype(float)     # identical steps (a weight) are one draw, not n
+    chance = C * (per['rank'].astype(float) / C) ** n          # some channel in the top `rank` of n draws, channels exchangeable
+    top = (per.lo >= OUTLIER_TOP_RATIO) & (chance <= OUTLIER_TOP_P)
+    out = per[(per.steps >= OUTLIER_MIN_STEPS) & ((per.share >= OUTLIER_PERSIST) | top)].copy()
     if out.empty: return pd.DataFrame(columns=FINDINGS)
-    n = out.groupby(KEYS, observed=True).idx.transform('size')
+    g = out.groupby(KEYS, observed=True)
+    n, v = g.idx.transform('size'), g.value.transform('median')
+    few = lambda f: f' (and {f:.0f} with fewer than {OUTLIER_MIN_ROWS} rows, not read)' if f else ''
     return out.assign(stat='chan_absmax', exploit='channel-outliers',
-                      detail=[f'{k} outlier channel(s) ~{v:.0f}× the median → outlier split / mixed precision'
-                              for k, v in zip(n, out.groupby(KEYS, observed=True).value.transform('median'))])[FINDINGS]
+                      detail=[f'{k} outlier channel(s) ~{m:.0f}× the median on {s:.0f} step{"s" if s != 1 else ""}{few(f)} '
+                              '→ outlier split / mixed precision' for k, m, s, f in zip(n, v, out.steps, out.few)])[FINDINGS]
 
 # %% ../nbs/03_miner.ipynb #fc0a4692
 CROSS_STATS = ('min', 'max', 'mean', 'std', 'absmax', 'rms', 'density', 'chan_absmax', 'chan_density')
@@ -250,10 +280,12 @@ def relative_range(rng_:pd.DataFrame, # `min` and `max` columns of a statistic a
     return (rng_['max'] - rng_['min']) / scale.where(scale > 0, 1.)
 
 # %% ../nbs/03_miner.ipynb #57b6e8f5-s1
-def stationary(rng_:pd.DataFrame, # `min` and `max` columns of a statistic across steps
+def stationary(rng_:pd.DataFrame, # `min` and `max` of a statistic across steps (optionally `count`: steps valued, `size`: steps compared)
               )->pd.Series:
-    "Whether each statistic is *stationary*: its `relative_range` across steps is at most `STATIONARY_RTOL` (the one definition; NaN is not)."
-    return relative_range(rng_) <= STATIONARY_RTOL
+    "Whether each statistic is *stationary*: its `relative_range` across steps is at most `STATIONARY_RTOL` (the one definition; NaN is not, nor a statistic NaN on some step compared)."
+    same = relative_range(rng_) <= STATIONARY_RTOL
+    if {'count', 'size'} <= set(rng_.columns): same &= rng_['count'] == rng_['size']
+    return same
 
 # %% ../nbs/03_miner.ipynb #57b6e8f5-s2
 def cross_step(sketches:pd.DataFrame, # tidy sketches
@@ -264,7 +296,7 @@ def cross_step(sketches:pd.DataFrame, # tidy sketches
     sketches = as_strings(sketches, KEYS)   # one key dtype, so merged indexes align
     usual = usual_steps(sketches)
     x = sketches[sketches.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
-    rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max'])
+    rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max', 'count', 'size'])
     return cross_table(stationary(rng_).groupby(level=KEYS, observed=True).all(),
                         usual.groupby(KEYS, observed=True).size(), step_matrix(sketches, 'chan_absmax', usual), seed)
 
@@ -442,28 +474,37 @@ STEP_STATS = ('nan_count', 'inf_count', 'numel', 'min', 'max')
 
 def step_table(sketches:pd.DataFrame, # tidy sketches
               )->pd.DataFrame:
-    "Per (tap, step): `nan_count`, `inf_count`, `numel`, `min`, `max` — what the bad-data rules read (shared by the engines)."
+    "Per (tap, step): `nan_count`, `inf_count`, `numel`, `min`, `max` and `absent` (no rows) — what the bad-data rules read (shared by the engines)."
     s = sketches[sketches.stat.isin(STEP_STATS)]
     w = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
-    return step_frame(w)
+    return step_frame(w.join(_absent(sketches)))
+
+def _absent(sketches):
+    "The (tap, step)s that saw no rows: `numel` 0, or an `absmax` that is NaN (never NaN over data: NaN values are counted, not propagated)."
+    a = sketches[((sketches.stat == 'numel') & (sketches.value == 0)) | ((sketches.stat == 'absmax') & sketches.value.isna())]
+    return a.groupby(KEYS + ['step'], observed=True).size().gt(0).rename('absent')
 
 # %% ../nbs/03_miner.ipynb #76911d41-s1
 def step_frame(w):
-    "`step_table` from its pivot `w`: the `STEP_STATS` columns as float, missing counts 0, keys as str (shared with the DuckDB engine)."
+    "`step_table` from its pivot `w`: the `STEP_STATS` columns as float, missing counts 0, `absent` bool, keys as str (shared with the DuckDB engine)."
+    absent = w['absent'].eq(True) if 'absent' in w else pd.Series(False, index=w.index)
     w = w.reindex(columns=list(STEP_STATS)).astype(float)
     w[['nan_count', 'inf_count']] = w[['nan_count', 'inf_count']].fillna(0)   # softmax taps count no Inf
+    w['absent'] = absent.to_numpy(dtype=bool)
     w.index = pd.MultiIndex.from_frame(as_strings(w.index.to_frame(index=False), KEYS))
     return w
 
 # %% ../nbs/03_miner.ipynb #76911d41-s2
 def _bad(st): return st[(st.nan_count + st.inf_count) > NONFINITE_MAX]
 
+def _unread(st): return st[((st.nan_count + st.inf_count) > NONFINITE_MAX) | st.absent]
+
 # %% ../nbs/03_miner.ipynb #76911d41-s3
 def drop_nonfinite_steps(sketches:pd.DataFrame, # tidy sketches
                          st:pd.DataFrame, # `step_table(sketches)`
                         )->pd.DataFrame:
-    "`sketches` without the rows of the (tap, step)s holding NaN/Inf: their other statistics describe NaN-zeroed data."
-    bad = _bad(st)
+    "`sketches` without the rows of the (tap, step)s holding NaN/Inf (their other statistics describe NaN-zeroed data) or no rows at all (an expert no token reached: absent, not equal)."
+    bad = _unread(st)
     if bad.empty: return sketches
     keys = pd.MultiIndex.from_frame(as_strings(sketches[KEYS + ['step']], KEYS))
     return sketches[~keys.isin(bad.index)]
@@ -481,13 +522,14 @@ def rule_nonfinite(st):
     bad = _bad(st)
     if bad.empty: return pd.DataFrame(columns=FINDINGS)
     total = st.groupby(level=KEYS, observed=True).size()
+    empty = (st.absent & ((st.nan_count + st.inf_count) <= NONFINITE_MAX)).groupby(level=KEYS, observed=True).sum()   # read by no rule either
     rows = []
     for key, g in bad.groupby(level=KEYS, observed=True):
-        steps, n = g.index.get_level_values('step'), int(total[key])
+        steps, n, k = g.index.get_level_values('step'), int(total[key]), int(empty[key])
         nan, inf = int(g.nan_count.sum()), int(g.inf_count.sum())
         share = (nan + inf) / g.numel.sum() if g.numel.sum() > 0 else np.nan
-        what = ('no clean step, so no value-structure claim is made' if len(g) == n else
-                f'step{"s" if len(g) > 1 else ""} {_steps_text(steps)} dropped from the value rules (they read the other {n - len(g)}); cross-step claims refused')
+        what = ('no clean step, so no value-structure claim is made' if len(g) + k == n else
+                f'step{"s" if len(g) > 1 else ""} {_steps_text(steps)} dropped from the value rules (they read the other {n - len(g) - k}); cross-step claims refused')
         rows.append(dict(zip(KEYS, key), stat='nan_count', idx=-1, value=share, exploit='nonfinite',
                          detail=f'NaN/Inf: {share:.1%} of values (NaN {nan}, Inf {inf}) on {len(g)} of {n} steps, first at step '
                                 f'{int(steps.min())} → {what}'))
@@ -628,6 +670,7 @@ def collect_findings(parts, cs, st=None):
     out = pd.concat(parts, ignore_index=True)
     out = as_strings(out, KEYS)          # every engine's findings: one key dtype
     out = _sorted(_drop_explained(_veto(out)))
+    if st is not None: out = _say_absent(out, st)
     out.attrs['cross_step'] = cs      # per-tap drift, kept for reports (not a finding)
     return out
 
@@ -637,6 +680,17 @@ def _sorted(out):
     order = {e: i for i, e in enumerate(REGISTRY)}
     out = out.assign(_o=out.exploit.map(order)).sort_values(['run_id', 'site', 'role', '_o', 'idx'], kind='stable')
     return out.drop(columns='_o').reset_index(drop=True)[FINDINGS]
+
+# %% ../nbs/03_miner.ipynb #209e4dd2-s7
+def _say_absent(out, st):
+    "Each finding on a tap that saw no rows on some steps names those steps: it was read on the others."
+    a = st[st.absent]
+    if a.empty or out.empty: return out
+    steps = a.index.to_frame(index=False).groupby(KEYS, observed=True).step.agg(list)
+    note = {k: f' [no rows on step{"s" if len(s) > 1 else ""} {_steps_text(s)}: not read]' for k, s in steps.items()}
+    out = out.copy()
+    out['detail'] = out.detail + [note.get(k, '') for k in zip(*(out[c] for c in KEYS))]
+    return out
 
 # %% ../nbs/03_miner.ipynb #47981269
 LOWRANK_ERANK_SHARE = 0.25  # confirmed low rank: effective rank at most this share of min(rows, channels)

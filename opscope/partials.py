@@ -61,17 +61,15 @@ def row_steps(d:pd.DataFrame)->pd.DataFrame:
 
 # %% ../nbs/03b_partials.ipynb #d0589b83-s6
 def chan_ratios(d:pd.DataFrame)->pd.DataFrame:
-    "Every `chan_absmax` row's ratio to its (tap, step)'s median channel, and whether it is above `miner.OUTLIER_RATIO`."
-    c = d[d.stat == 'chan_absmax']
-    med = c.groupby(G, observed=True).value.transform('median')
-    ratio = c.value / med.where(med > 0)
-    return c[G + ['idx']].assign(ratio=ratio, hit=(ratio > _m.OUTLIER_RATIO).astype(float))
+    "Every `chan_absmax` row's ratio to its (tap, step)'s median channel, past `miner.OUTLIER_RATIO` or not, its rank in the step (`miner.step_ratios`), and whether its step is evidence (`ok`: not fewer than `miner.OUTLIER_MIN_ROWS` rows)."
+    r = _m.step_ratios(d[d.stat == 'chan_absmax'])
+    return r.assign(ok=~pd.MultiIndex.from_frame(r[G]).isin(_m._few_rows(d)))
 
 # %% ../nbs/03b_partials.ipynb #d0589b83-s7
 def chan_steps(r:pd.DataFrame)->pd.DataFrame:
-    "Per matmul-style (tap, step), from `chan_ratios`: the largest ratio and the channel count."
-    g = _base(r).groupby(G, observed=True).ratio
-    return pd.DataFrame({'ratio': g.max(), 'n': g.size()}).reset_index()
+    "Per matmul-style (tap, step), from `chan_ratios`: the largest ratio, the channel count, whether the step is evidence and its median channel."
+    g = _base(r).groupby(G, observed=True)
+    return pd.DataFrame({'ratio': g.ratio.max(), 'n': g.size(), 'ok': g.ok.first(), 'med': g.med.first()}).reset_index()
 
 # %% ../nbs/03b_partials.ipynb #d0589b83-s8
 def head_keys(d:pd.DataFrame)->pd.DataFrame:

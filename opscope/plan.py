@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from .exploits import REGISTRY, Kernel, SiteEvidence, FINITE_GUARD, DENSITY_MARGIN, GUARD_GRID, CREST_MARGIN, planned
-from .miner import crest_nz, mine, stationary, CROSS_STATS, INT8_MAX_CREST
+from .miner import crest_nz, mine, stationary, step_table, drop_nonfinite_steps, CROSS_STATS, INT8_MAX_CREST
 from .tables import InputError, MissingError
 from .inject import matmul_sites
 from .probe import rank_at_energy, dump_sites
@@ -200,10 +200,11 @@ def draw_like(sketches:pd.DataFrame, site:str, M:int, K:int, N:int, seed:int=0)-
 
 # %% ../nbs/07_plan.ipynb #6a49be7f
 def stationary_taps(sketches:pd.DataFrame)->pd.DataFrame:
-    "(run_id, site, role) of taps whose scalar and per-channel stats are `miner.stationary` across ≥ 2 steps."
+    "(run_id, site, role) of taps whose scalar and per-channel stats are `miner.stationary` across ≥ 2 steps with rows (a step with NaN/Inf or none is not compared)."
     keys = ['run_id', 'site', 'role']
-    s = sketches[sketches.stat.isin(CROSS_STATS + ('numel',))]
-    per = s.groupby(keys + ['stat', 'idx'], observed=True).value.agg(['min', 'max', 'size'])
+    s = drop_nonfinite_steps(sketches, step_table(sketches))
+    s = s[s.stat.isin(CROSS_STATS + ('numel',))]
+    per = s.groupby(keys + ['stat', 'idx'], observed=True).value.agg(['min', 'max', 'count', 'size'])
     per = per.assign(same=stationary(per)).groupby(level=keys, observed=True).agg(same=('same', 'all'), steps=('size', 'min'))
     out = per[per.same & (per.steps >= 2)].reset_index()[keys].astype(str)
     return out.sort_values(keys, ignore_index=True)

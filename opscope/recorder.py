@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_recorder.ipynb #56887995
 from __future__ import annotations
-import os, re, shutil, warnings, zlib
+import functools, os, re, shutil, warnings, zlib
 from urllib.parse import quote
 from itertools import chain, repeat
 from pathlib import Path
@@ -18,12 +18,12 @@ from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, P
 from .zoo import DISTS, gemm, make_tensor
 from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, same_outputs, attn_sketch, sketch_rows, pack, sketch_node, sketch_packed, meta_shape
 from .inject import sketch_kept, sketch_groups, ROUTED_ROWS, walk_up   # the masked sketches: key columns, routed expert rows
-from .shapes import coverage, coverage_warning
+from .shapes import coverage, coverage_warning, _cacheless
 
 
 # %% auto #0
-__all__ = ['GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'masked_sketch', 'keys_sketch', 'routed_groups',
-           'gate_tolerance', 'eager_gate', 'Recorded', 'record', 'sweep']
+__all__ = ['LAYOUTS_KEPT', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'masked_sketch', 'keys_sketch',
+           'routed_groups', 'gate_tolerance', 'eager_gate', 'Recorded', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -54,31 +54,42 @@ def _tap_dims(keys, lengths, codes, n_roles):
     return numel, M, K, N
 
 # %% ../nbs/02_recorder.ipynb #a7cc8c56
-def decode_stats(stats:dict, # `"site/role/stat" -> tensor`, as an injected module returns it
-                 run_id:str='run', step:int=0, backend:str=None, dist:str='')->pd.DataFrame:
-    "Tidy rows (`SCHEMA`) for one step's `stats`, with a single device-to-host transfer."
-    if not stats: raise InputError("no statistics to decode: the injected graph returned an empty stats dict")
-    keys, tensors = list(stats), list(stats.values())
-    lengths = np.fromiter((t.numel() for t in tensors), np.int64, len(tensors))
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    backend = backend or flat.device.type
-    values = flat.cpu().numpy().astype(np.float64)            # the one transfer of the step
+LAYOUTS_KEPT = 2   # step layouts cached (a generate loop has two: its prefill's and its decode steps')
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _rows_layout(keys:tuple, lengths:bytes)->tuple:
+    "`(rows, numel positions, exact numels, columns)`: what a step's rows hold that its values do not change, built once per key layout (a graph returns the same keys and lengths at every call)."
+    lengths = np.frombuffer(lengths, np.int64)
     sites, roles, stat_names, codes = _key_layout(keys)
     numel, M, K, N = _tap_dims(keys, lengths, codes, len(roles))
     key_numel = numel[codes[:, 0], codes[:, 1]]
     is_numel = codes[:, 2] == stat_names.get_loc('numel')
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    values[starts[is_numel]] = key_numel[is_numel]           # exact, not float32-rounded
     per_row = lambda a: np.repeat(a, lengths)
     n = int(lengths.sum())
-    const = lambda v: pd.Categorical.from_codes(np.zeros(n, np.int8), [v])
-    return as_strings(pd.DataFrame({   # built from codes, returned as strings (`tables`' dtype policy)
-        'run_id': const(str(run_id)), 'step': np.full(n, step, np.int64), 'backend': const(backend), 'dist': const(str(dist)),
+    cols = as_strings(pd.DataFrame({   # built from codes, kept as strings (`tables`' dtype policy): Arrow strings are shared, not copied, by each step's frame
         'M': per_row(M[codes[:, 0]]), 'K': per_row(K[codes[:, 0]]), 'N': per_row(N[codes[:, 0]]), 'numel': per_row(key_numel),
         'site': pd.Categorical.from_codes(per_row(codes[:, 0]), sites),
         'role': pd.Categorical.from_codes(per_row(codes[:, 1]), roles),
         'stat': pd.Categorical.from_codes(per_row(codes[:, 2]), stat_names),
-        'idx': np.arange(n, dtype=np.int64) - per_row(starts), 'value': values}), STR_COLS)
+        'idx': np.arange(n, dtype=np.int64) - per_row(starts)}), STR_COLS)
+    return n, starts[is_numel], key_numel[is_numel].astype(np.float64), cols
+
+def decode_stats(stats:dict, # `"site/role/stat" -> tensor`, as an injected module returns it
+                 run_id:str='run', step:int=0, backend:str=None, dist:str='')->pd.DataFrame:
+    "Tidy rows (`SCHEMA`) for one step's `stats`, with a single device-to-host transfer."
+    if not stats: raise InputError("no statistics to decode: the injected graph returned an empty stats dict")
+    keys, tensors = tuple(stats), list(stats.values())
+    lengths = np.fromiter((t.numel() for t in tensors), np.int64, len(tensors))
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    backend = backend or flat.device.type
+    values = flat.cpu().numpy().astype(np.float64)            # the one transfer of the step
+    n, at, exact, cols = _rows_layout(keys, lengths.tobytes())
+    values[at] = exact                                        # numel: exact, not float32-rounded
+    const = lambda v: pd.Categorical.from_codes(np.zeros(n, np.int8), [v])
+    head = as_strings(pd.DataFrame({'run_id': const(str(run_id)), 'step': np.full(n, step, np.int64), 'backend': const(backend),
+                                    'dist': const(str(dist))}), STR_COLS)
+    return pd.concat([head, cols, pd.Series(values, name='value')], axis=1)
 
 # %% ../nbs/02_recorder.ipynb #346d5634
 class Recorder:
@@ -185,15 +196,15 @@ TAP_KINDS = ('matmul',) + INFER_KINDS
 MASK_BUFFER = '_opscope_attention_mask'   # the buffer that carries `record(..., attention_mask=)` into a graph with no mask input
 ROW_OPS = {'linear', 'matmul', 'mm', 'addmm'}  # ops whose operand rows can be the tokens of a (batch, tokens) mask
 
-def inject_taps(gm, taps, bins, mask=None, rows=True):
-    "`gm` with the passes `taps` asks for applied (and `mask`, if given, carried in a buffer; `rows=False`: the mask reaches the attention taps only); a clear error when the model has none of those sites."
+def inject_taps(gm, taps, bins, mask=None, rows=True, cache_weights=True):
+    "`gm` with the passes `taps` asks for applied (and `mask`, if given, carried in a buffer; `rows=False`: the mask reaches the attention taps only; `cache_weights` as `inject_matmul_stats` takes it); a clear error when the model has none of those sites."
     taps = (taps,) if isinstance(taps, str) else tuple(taps)
     bad = [t for t in taps if t not in TAP_KINDS]
     if bad or not taps: raise InputError(f"taps must be some of {', '.join(TAP_KINDS)}, not {', '.join(map(repr, bad)) or 'nothing'}")
     inj, infer = gm, tuple(k for k in INFER_KINDS if k in taps)
     has_sdpa = 'softmax' in infer and any(n.op == 'call_function' and n.target in SDPA_TARGETS for n in gm.graph.nodes)
     if infer and (has_sdpa or infer_sites(gm, infer)): inj = inject_infer_stats(gm, infer)
-    if 'matmul' in taps and (inj is gm or matmul_sites(inj)): inj = inject_matmul_stats(inj, bins=bins)
+    if 'matmul' in taps and (inj is gm or matmul_sites(inj)): inj = inject_matmul_stats(inj, bins=bins, cache_weights=cache_weights)
     if inj is gm: raise InputError(f"no {' or '.join(taps)} sites in {type(gm).__name__}")
     return _apply_mask(inj, mask, rows)
 
@@ -307,8 +318,8 @@ def _attention_operands(inj):
         p = walk_up(s.lhs, lambda n: n.name in probs, 3)
         if p is not None: both.add(s.lhs.name); rows.add(s.rhs.name); pv.add(p.name)
     missed = []
-    for name, p in probs.items():              # Q·Kᵀ: its product, a few score ops (scale, mask) above the softmax
-        qk = walk_up(p.src, lambda n: n.name in outs, 5)
+    for name, p in probs.items():              # Q·Kᵀ: its product, a few score ops (scale, soft cap, mask) above the softmax
+        qk = walk_up(p.src, lambda n: n.name in outs, 8)   # 8: Gemma2's soft cap (÷ cap, tanh, × cap) sits between
         if qk is not None: both.add(qk.name); cols.add(outs[qk.name].rhs.name)
         if (qk is None) != (name not in pv): missed.append(p.name)   # half an attention found; neither: a softmax that is no attention
     return cols, rows, both, missed
@@ -346,7 +357,8 @@ def _apply_mask(inj, mask=None, rows=True):
     B, S = tuple(mask.shape) if mask is not None else meta_shape(_placeholder(inj, 'attention_mask'))   # the keys: the whole mask
     laid_out = lambda t, d: (sh := meta_shape(t)) is None or len(sh) >= 3 and sh[0] == B and sh[d] == S   # no shape recorded: keys_sketch checks at run time
     by_name = {n.name: n for n in inj.graph.nodes}
-    missed += sorted(t for t in cols | both if not laid_out(by_name[t], -1)) + sorted(t for t in vals if not laid_out(by_name[t], -2))
+    site_of = dict(zip(man['tensor'], man['site'])) if len(man) else {}     # name an operand by the site that uses it, as the rows do
+    missed += sorted({site_of.get(t, t) for t in cols | both if not laid_out(by_name[t], -1)} | {site_of.get(t, t) for t in vals if not laid_out(by_name[t], -2)})
     routed = {}
     for n in list(inj.graph.nodes):
         if n.op != 'call_function': continue
@@ -430,6 +442,10 @@ class Recorded:
     def read(self)->pd.DataFrame:
         "The rows, read back from the sink."
         return read_sketches(self.path)
+    def __fspath__(self)->str:
+        "The sink's path: `mine`, `read_sketches` and pandas take a `Recorded` wherever they take a path."
+        if self.path is None: raise InputError("this recording wrote no rows anywhere (no sink); record with a sink or keep=True")
+        return os.fspath(self.path)
     def __repr__(self): return f"Recorded({self.rows:,} rows, {self.steps} steps, {len(self.sites)} sites → {self.path})"
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b5
@@ -463,6 +479,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
     try: first = next(it)
     except StopIteration: raise InputError("record needs at least one batch") from None
     args, kwargs = _call_args(first)
+    kwargs = _cacheless(model, kwargs)          # a Hugging Face forward returns its cache object unless told not to
     masks = _mask_steps(attention_mask)
     mask = next(masks, None) if masks is not None else None
     if masks is not None and mask is None: raise InputError("attention_mask is an empty list: give one mask per batch (or one for all)")
@@ -484,6 +501,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
             step = next(ids, None)
             if step is None: raise InputError(f"step_ids ran out after {i} steps; give one step index per batch")
             args, kwargs = _call_args(batch)
+            kwargs = _cacheless(model, kwargs)
             if masks is not None:
                 mask = mask if i == 0 else next(masks, None)
                 if mask is None: raise InputError(f"attention_mask ran out after {i} steps; give one mask per batch (or one for all)")

@@ -4,59 +4,101 @@
 
 # %% ../nbs/02b_runners.ipynb #dda7d0cc
 from __future__ import annotations
-import importlib.util, inspect, sys, warnings
+import contextlib, importlib.util, inspect, re, sys, warnings, weakref
+from collections import OrderedDict
 from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn as nn
-from .inject import trace
-from .recorder import Recorder, TAP_KINDS, decode_stats, eager_gate, record, inject_taps
+from .inject import trace, SCALARS, VECTORS, ATTN_STATS, GATE_STATS
+from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, decode_stats, eager_gate, gate_tolerance, record, inject_taps
 from .shapes import coverage, coverage_warning, tapped_share
-from .tables import InputError
+from .tables import InputError, ModelError
 from .zoo import DECODERS, tiny_decoder   # the decoders live in the one model registry (`zoo.MODELS`), re-exported here
 
 
 # %% auto #0
-__all__ = ['StaticDecoder', 'static_cache', 'decode_positions', 'decoder_coverage', 'record_generate', 'load_factory', 'load_hf',
+__all__ = ['CACHE_LAYERS', 'HOOK_DICTS', 'VECTOR_STATS', 'DIM_STATS', 'GRAPHS_KEPT', 'decoder_cache', 'StaticDecoder',
+           'static_cache', 'decode_positions', 'decoder_coverage', 'record_generate', 'load_factory', 'load_hf',
            'read_prompts', 'record_hf', 'coverage']
 
 # %% ../nbs/02b_runners.ipynb #a588b4aa
 _all_ = ['coverage']   # DESIGN lists coverage with the runners; it lives in shapes, which counts the FLOPs
 
 # %% ../nbs/02b_runners.ipynb #b2ff6d25
+CACHE_LAYERS = ('StaticLayer', 'StaticSlidingWindowLayer')   # transformers' static-cache layers: key and value tensors opscope carries
+
+def decoder_cache(model:nn.Module, # a `...ForCausalLM`
+                  max_len:int, # cache slots: prompt + new tokens - 1
+                  prompt:int=None, # the prompt's length, for the advice when a sliding window is too short
+                 ):
+    "`model`'s own `transformers.StaticCache`, or a one-line `InputError` when a layer keeps what opscope cannot carry as tensors."
+    from transformers import StaticCache     # optional heavy dependency
+    name = type(model).__name__
+    try: cache, kinds = StaticCache(config=model.config, max_cache_len=max_len), None
+    except (AttributeError, ValueError, TypeError) as e: cache, kinds = None, f"no static cache ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if cache is not None: kinds = ', '.join(sorted({type(l).__name__ for l in cache.layers} - set(CACHE_LAYERS)))
+    if kinds: raise InputError(f"{name}: record_generate carries a key/value cache in every layer, and this model keeps {kinds} "
+                               "(a state-space or linear-attention state); record its plain forward instead: "
+                               "record(model, [dict(input_ids=ids, attention_mask=mask, use_cache=False)])")
+    short = [l.max_cache_len for l in cache.layers if l.is_sliding and l.max_cache_len < max_len]
+    if short:
+        w = short[0]
+        fix = (f"generate at most {w - prompt + 1} new tokens from this {prompt}-token prompt" if prompt and prompt <= w
+               else f"keep prompt + new tokens - 1 within {w}")
+        raise InputError(f"{name}: its sliding window holds {w} tokens and this run needs {max_len} (prompt + new tokens - 1): "
+                         f"a full window rolls on a Python-side count that one traced graph cannot replay; {fix}")
+    return cache
+
 class StaticDecoder(nn.Module):
     "A Hugging Face decoder over a static KV cache passed in as tensors: `(ids, mask, positions, cache_position, keys, values) -> logits`."
     def __init__(self, model:nn.Module, # a `...ForCausalLM` (left untouched)
-                 max_len:int, # the cache length: prompt + new tokens
+                 max_len:int, # the cache length: prompt + new tokens - 1
                 ):
         super().__init__()
         self.model, self.max_len = model, max_len
         params = inspect.signature(model.forward).parameters
         self.cache_kw = 'cache' if 'cache' in params else 'past_key_values'   # the argument's name differs by version
+        decoder_cache(model, max_len)                  # checked once, a one-line refusal before any call
     def forward(self, input_ids, attention_mask, position_ids, cache_position, keys, values):
-        from transformers import StaticCache     # optional heavy dependency
-        cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        from transformers import StaticCache           # optional heavy dependency
+        cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)   # fresh each call (a trace leaves symbolic state in one)
         for layer, k, v in zip(cache.layers, keys, values):   # the layers write into our tensors, in place
             layer.keys, layer.values, layer.is_initialized, layer.device = k, v, True, k.device
             layer.cumulative_length = cache_position[0].clone()
+            if layer.is_sliding: layer.get_seq_length = lambda l=layer: l.cumulative_length   # see below
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache_position=cache_position, use_cache=True, **{self.cache_kw: cache})
         return out.logits
 
 # %% ../nbs/02b_runners.ipynb #b2ff6d25-s1
+HOOK_DICTS = ('_forward_hooks', '_forward_pre_hooks', '_forward_hooks_with_kwargs', '_forward_pre_hooks_with_kwargs', '_forward_hooks_always_called')
+
+@contextlib.contextmanager
+def _hooks_off(model):
+    "The model's forward hooks held off (and put back): a call the user did not make should not reach them."
+    saved = [(m, [getattr(m, d) for d in HOOK_DICTS]) for m in model.modules()]
+    try:
+        for m, _ in saved:
+            for d in HOOK_DICTS: setattr(m, d, OrderedDict())
+        yield
+    finally:
+        for m, ds in saved:
+            for d, v in zip(HOOK_DICTS, ds): setattr(m, d, v)
+
 def static_cache(model:nn.Module, # the decoder
                  batch:int, # sequences
                  max_len:int, # cache slots per sequence
                  device=None, # default: the model's
                 )->tuple[list, list]:
-    "Zeroed key and value tensors, one of each per layer, laid out as `transformers.StaticCache` lays them."
-    from transformers import StaticCache
-    from transformers.integrations.executorch import get_head_shapes
-    heads, dim = get_head_shapes(model.config)
-    c = StaticCache(config=model.config, max_cache_len=max_len)
-    c.early_initialization(batch, heads, dim, model.dtype, device or next(model.parameters()).device)
-    return [l.keys for l in c.layers], [l.values for l in c.layers]
+    "Zeroed key and value tensors, one of each per layer, shaped as the model's own layers write them into a `transformers.StaticCache`."
+    dev = device or next(model.parameters()).device
+    c = decoder_cache(model, max_len)
+    kw = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
+    with torch.no_grad(), _hooks_off(model):    # one token through the model: the layers allocate their tensors as they write them
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=dev), use_cache=True, **{kw: c})
+    return [l.keys.zero_() for l in c.layers], [l.values.zero_() for l in c.layers]
 
 # %% ../nbs/02b_runners.ipynb #5cbf496c
 def decode_positions(mask:torch.Tensor, # (batch, length) 1 at real tokens, 0 at padding
@@ -88,6 +130,50 @@ def decoder_coverage(gm, # a traced `StaticDecoder` step (`inject.trace`)
 
 
 # %% ../nbs/02b_runners.ipynb #566fc1a5-s1
+VECTOR_STATS = tuple(s for s in VECTORS + ATTN_STATS + GATE_STATS
+                     if s not in SCALARS + ('peak', 'entropy', 'entropy_max', 'gate_min', 'gate_max', 'gate_mean'))   # one value per row, channel, key, bin or expert
+DIM_STATS = ROW_STATS + CHAN_STATS   # the vectors whose lengths give a tap's M, K, N: always kept
+
+def _kept(stats, drop):
+    "`stats` without the vector stats in `drop`."
+    return {k: v for k, v in stats.items() if k.rsplit('/', 1)[1] not in drop} if drop else stats
+
+_CHECKED = weakref.WeakSet()   # models whose recorded tokens have matched `model.generate` once
+_GRAPHS = weakref.WeakKeyDictionary()   # model -> {call shape: injected step graph}, reused by its later runs
+GRAPHS_KEPT = 4   # step graphs kept per model (a run needs two: its prefill's and its decode steps')
+
+def _graph(model, run, args, taps, bins):
+    "The injected graph for this call's shapes, traced on first use and kept for the model's later runs (its weight sketches refresh if a weight changes); and whether it is new."
+    ids, mask, _, _, keys, _ = args
+    key = (tuple(ids.shape), tuple(mask.shape), tuple(keys[0].shape), keys[0].dtype, ids.device, tuple(taps), bins, _padded(args))
+    kept = _GRAPHS.setdefault(model, {})
+    if key in kept: return kept[key], False
+    while len(kept) >= GRAPHS_KEPT: kept.pop(next(iter(kept)))
+    kept[key] = _step_graph(run, args, taps, bins)
+    return kept[key], True
+
+def _generate_tokens(model, input_ids, attention_mask, n, eos):
+    "`model.generate`'s greedy `n` new tokens, EOS held off as `_next_token` holds it (the oracle of `record_generate`)."
+    from transformers import GenerationConfig
+    pad = getattr(model.generation_config, 'pad_token_id', None)
+    pad = pad if pad is not None else getattr(model.config, 'pad_token_id', None)
+    cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=eos or None,
+                           pad_token_id=pad if pad is not None else (eos[0] if eos else 0))
+    with torch.no_grad(): return model.generate(input_ids, attention_mask=attention_mask, generation_config=cfg)[:, input_ids.shape[1]:]
+
+def _follow(logits, ids, ref, step, name):
+    "`ref`'s tokens where ours agree, or differ only by a tie within the gate's tolerance of the logits' dtype; else a one-line error."
+    if torch.equal(ids, ref): return ref
+    s = logits[:, -1].float()
+    rtol, atol = gate_tolerance(logits.dtype)
+    top, theirs = s.max(-1).values, s.gather(-1, ref).squeeze(-1)
+    tie = top - theirs <= 2 * (atol + rtol * top.abs())   # each side within the tolerance of the true logits: a gap of twice it
+    if bool(tie.all()): return ref
+    r = int((~tie).nonzero()[0, 0])
+    raise ModelError(f"record_generate: {name} at step {step} gives token {int(ids[r, 0])} where model.generate gives "
+                       f"{int(ref[r, 0])} (row {r}): opscope's static-cache wrapper does not reproduce this model, so nothing "
+                       f"from step {step} on was recorded")
+
 def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval mode
                     input_ids:torch.Tensor, # (batch, prompt) token ids, left-padded
                     max_new_tokens:int, # N: new tokens, and recorded steps
@@ -99,49 +185,74 @@ def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval m
                     bins:int=64, # histogram bins
                     gate_every:bool=False, # gate every step against the eager model (default: the first of each graph)
                     progress:bool=False, # show a progress bar
+                    every:int=1, # record the prefill and every `every`-th decode step; the rest run the plain model
+                    check:bool=None, # compare the tokens with `model.generate`'s greedy ones (default: on a model's first run)
+                    vectors=None, # the vector stats to keep (`VECTOR_STATS`; those in `DIM_STATS` always stay); None: all
+                    keep:bool=None, # also return every row (default: only without a sink; with one, memory holds one step)
                    )->tuple[torch.Tensor, pd.DataFrame]:
-    "Greedy-decode `max_new_tokens` tokens through a static KV cache, recording every forward call: `(tokens, sketches)`."
+    "Greedy-decode `max_new_tokens` tokens through a static KV cache, recording the prefill and every `every`-th decode step: `(tokens, sketches)`, or with a sink (unless `keep`) `(tokens, Recorded)`."
     if max_new_tokens < 1: raise InputError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    if every < 1: raise InputError(f"every must be at least 1, not {every}")
+    bad = sorted(set(vectors or ()) - set(VECTOR_STATS))
+    if bad: raise InputError(f"unknown vector stat(s) {', '.join(bad)}; choose from {', '.join(VECTOR_STATS)}")
+    drop = set() if vectors is None else set(VECTOR_STATS) - set(vectors) - set(DIM_STATS)
     B, T = input_ids.shape
     L, dev = T + max_new_tokens - 1, input_ids.device     # the last new token is never fed back: no slot for it
     prompt = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
     mask = torch.cat([prompt, prompt.new_ones(B, L - T)], 1)     # one shape for every step
+    decoder_cache(model, L, T)                                  # a one-line refusal before any work
     pos, eos, run = decode_positions(mask), _eos_ids(model), StaticDecoder(model, L)
     keys, values = static_cache(model, B, L, dev)
+    check = model not in _CHECKED if check is None else check
+    ref = _generate_tokens(model, input_ids, prompt, max_new_tokens, eos) if check else None
     own = sink is not None and not isinstance(sink, Recorder)
     rec = Recorder(sink) if own else sink
+    keep = rec is None if keep is None else keep
+    summary = Recorded(rec.path if rec is not None else None)
     steps = range(max_new_tokens)
     if progress:
         from tqdm.auto import tqdm
         steps = tqdm(steps, desc=f'generate {run_id}', leave=False)
-    graphs, frames, tokens, ids, start = {}, [], [input_ids], input_ids, 0
+    frames, tokens, ids, start = [], [input_ids], input_ids, 0
     try:
         for step in steps:
             n = ids.shape[1]
             args = (ids, mask, pos[:, start:start + n], torch.arange(start, start + n, device=dev), keys, values)
-            first = n not in graphs
-            if first: graphs[n] = _step_graph(run, args, taps, bins)   # the prefill's, then the decode steps'
+            df = stats = None
             with torch.no_grad():
-                logits, stats = _gated(run, graphs[n], args, step) if first or gate_every else graphs[n](*args)
-            df = decode_stats(_unwrapped(stats), run_id=run_id, step=step, backend=dev.type, dist=dist)
-            if rec is not None: rec.write(df)
-            frames.append(df)
+                if step % every:
+                    logits = run(*args)        # not recorded: the model itself writes the cache
+                else:
+                    g, first = _graph(model, run, args, taps, bins)   # the prefill's, then the decode steps'
+                    logits, stats = _gated(run, g, args, step) if first or gate_every else g(*args)
+                    df = decode_stats(_unwrapped(_kept(stats, drop)), run_id=run_id, step=step, backend=dev.type, dist=dist)
             ids = _next_token(logits, eos)
+            if ref is not None: ids = _follow(logits, ids, ref[:, step:step + 1], step, type(model).__name__)
+            if df is not None:             # written only once its token is known to be the model's
+                if rec is not None: rec.write(df)
+                if keep: frames.append(df)
+                else: summary.add(df)
+                del df, stats              # nothing of this step outlives it
             tokens.append(ids); start += n
     finally:
         if own: rec.close()
-    return torch.cat(tokens, 1), pd.concat(frames, ignore_index=True)
+    if check: _CHECKED.add(model)
+    return torch.cat(tokens, 1), pd.concat(frames, ignore_index=True) if keep else summary
 
 # %% ../nbs/02b_runners.ipynb #d1e617f0
 def _step_graph(run, args, taps, bins):
     "The injected graph for one step shape (traced with `torch.export`: it keeps the cache's in-place writes); warns on untapped GEMM FLOPs."
     *head, keys, values = args
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter('ignore')      # export's notes on specialized dims and lifted constants
         gm = trace(run, *args, how='export')
         msg = coverage_warning(decoder_coverage(gm, *head, [k.clone() for k in keys], [v.clone() for v in values])) if 'matmul' in taps else None
-    if msg: warnings.warn(msg)
-    return inject_taps(gm, taps, bins, rows=_padded(args))
+        warnings.simplefilter('always')
+        inj = inject_taps(gm, taps, bins, rows=_padded(args), cache_weights='version')   # the weights are fixed while it runs: no value read per step
+    for w in ([msg] if msg else []) + [str(w.message) for w in said]:
+        warnings.warn(re.sub(r'(?<![\w.])model\.(?=\w)', '', w), stacklevel=3)   # the sites as the rows name them (`_unwrapped`)
+    return inj
+
 
 # %% ../nbs/02b_runners.ipynb #d1e617f0-s1
 def _padded(args):
@@ -189,9 +300,11 @@ def load_hf(path, # a local folder with config.json, *.safetensors weights and a
     if not (p / 'config.json').is_file(): raise InputError(f"{path}: not a Hugging Face model folder (no config.json)")
     if not any(p.glob('*.safetensors')): raise InputError(f"{path}: no *.safetensors weights (opscope loads no pickle)")
     import transformers as tf     # optional heavy dependency
-    cfg = tf.AutoConfig.from_pretrained(p, local_files_only=True)
-    dec = _is_decoder(cfg)
-    model = (tf.AutoModelForCausalLM if dec else tf.AutoModel).from_pretrained(p, local_files_only=True, use_safetensors=True).eval()
+    try:
+        cfg = tf.AutoConfig.from_pretrained(p, local_files_only=True)
+        dec = _is_decoder(cfg)
+        model = (tf.AutoModelForCausalLM if dec else tf.AutoModel).from_pretrained(p, local_files_only=True, use_safetensors=True).eval()
+    except Exception as e: raise InputError(f"{path}: transformers cannot load this model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     try: tok = tf.AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as e: raise InputError(f"{path}: no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return model, tok, dec
@@ -212,9 +325,10 @@ def record_hf(path, # a local Hugging Face folder (`load_hf`)
               max_new_tokens:int=8, # decoders: tokens generated
               batch:int=4, # encoders: prompts per recorded step
               run_id:str=None, # default: the folder's name
+              loaded:tuple=None, # what `load_hf(path)` returned, when the caller has loaded it already
              )->pd.DataFrame:
     "Record a local Hugging Face model on `prompts`: a decoder through `record_generate`, an encoder with `record`."
-    model, tok, dec = load_hf(path)
+    model, tok, dec = loaded or load_hf(path)
     run_id = run_id or Path(path).name
     if dec:
         tok.padding_side = 'left'

@@ -140,12 +140,14 @@ def _stat_sql():
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s4
 def _bad_steps_sql(con):
-    "`steps`: miner.step_table's facts per (tap, step); view `sk`: the rows of `raw` without the (tap, step)s holding NaN/Inf."
+    "`steps`: miner.step_table's facts per (tap, step); view `sk`: the rows of `raw` without the (tap, step)s holding NaN/Inf or no rows (`miner.drop_nonfinite_steps`)."
     cols = ', '.join(f"max(CASE WHEN stat = {_Q(s)} THEN value END) {s}" for s in _m.STEP_STATS)
-    con.execute(f"""CREATE TEMP TABLE steps AS SELECT {K}, step, {cols} FROM raw
-        WHERE stat IN ({', '.join(_Q(s) for s in _m.STEP_STATS)}) GROUP BY ALL""")
+    stats = ', '.join(_Q(s) for s in _m.STEP_STATS)
+    con.execute(f"""CREATE TEMP TABLE steps AS SELECT {K}, step, {cols},
+        bool_or((stat = 'numel' AND value = 0) OR (stat = 'absmax' AND value IS NULL)) absent FROM raw
+        WHERE stat IN ({stats}, 'absmax') GROUP BY ALL HAVING bool_or(stat IN ({stats}))""")   # raw reads NaN as NULL
     con.execute(f"""CREATE TEMP TABLE bad AS SELECT {K}, step FROM steps
-        WHERE coalesce(nan_count, 0) + coalesce(inf_count, 0) > {_m.NONFINITE_MAX}""")
+        WHERE coalesce(nan_count, 0) + coalesce(inf_count, 0) > {_m.NONFINITE_MAX} OR absent""")
     con.execute(f"CREATE VIEW sk AS SELECT * FROM raw ANTI JOIN bad USING ({K}, step)")
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s5
@@ -185,10 +187,18 @@ def _channel_findings_sql(con):
     dead = _q(con, f"""SELECT {K}, 'chan_density' stat, 0 step, idx, max(value) value FROM sk
                        WHERE stat = 'chan_density' GROUP BY ALL""")
     share = _q(con, f"""WITH c AS (SELECT {K}, step, idx, value FROM sk WHERE stat = 'chan_absmax'),
-        m AS (SELECT {K}, step, median(value) med FROM c GROUP BY ALL),
-        r AS (SELECT {K}, idx, c.value / CASE WHEN m.med > 0 THEN m.med END ratio FROM c JOIN m USING ({K}, step))
-        SELECT * FROM (SELECT {K}, idx, avg(CASE WHEN ratio > {_m.OUTLIER_RATIO} THEN 1.0 ELSE 0.0 END) share, avg(nn(ratio)) value
-                       FROM r GROUP BY ALL) WHERE share >= {_m.OUTLIER_PERSIST}""")
+        few AS (SELECT {K}, step FROM sk WHERE stat = 'row_energy' GROUP BY ALL HAVING count(value) < {_m.OUTLIER_MIN_ROWS}),
+        e AS (SELECT * FROM c ANTI JOIN few USING ({K}, step)),
+        m AS (SELECT {K}, step, median(value) med, count(*) n FROM e GROUP BY ALL),
+        r AS (SELECT {K}, step, idx, e.value / CASE WHEN m.med > 0 THEN m.med END ratio FROM e JOIN m USING ({K}, step)),
+        t AS (SELECT r.*, CASE WHEN ratio >= {_m.OUTLIER_TOP_RATIO} THEN rank() OVER (PARTITION BY {K}, step ORDER BY ratio DESC NULLS LAST) ELSE m.n END rk
+              FROM r JOIN m USING ({K}, step)),
+        s AS (SELECT {K}, count(*) steps, count(DISTINCT med) draws, max(n) channels FROM m GROUP BY ALL),
+        f AS (SELECT {K}, count(DISTINCT step) few FROM c SEMI JOIN few USING ({K}, step) GROUP BY ALL)
+        SELECT {K}, idx, share, value, lo, rk "rank", steps, draws, channels, coalesce(few, 0) few FROM (
+            SELECT {K}, idx, avg(CASE WHEN ratio > {_m.OUTLIER_RATIO} THEN 1.0 ELSE 0.0 END) share, avg(nn(ratio)) value, min(ratio) lo,
+                   max(rk) rk FROM t GROUP BY ALL) JOIN s USING ({K}) LEFT JOIN f USING ({K})
+        WHERE share >= {_m.OUTLIER_PERSIST} OR lo >= {_m.OUTLIER_TOP_RATIO}""")
     sums = _q(con, f"""SELECT {K}, stat, idx, sum(value) value FROM sk WHERE role IN ('attn', 'gate') AND stat <> 'head_mass' GROUP BY ALL""")
     head = _q(con, f"""WITH tk AS (SELECT {K}, step, count(*) Tk FROM sk WHERE role = 'attn' AND stat = 'key_mass' GROUP BY ALL)
         SELECT {K}, idx // Tk h, idx % Tk "key", sum(value) value FROM sk JOIN tk USING ({K}, step)
@@ -205,8 +215,8 @@ def _cross_sql(con):
         SELECT {K}, step FROM n JOIN md USING ({K}) WHERE n.value = md.usual""")
     stats = ', '.join(_Q(s) for s in _m.CROSS_STATS)
     stationary = _q(con, f"""SELECT {K}, bool_and(coalesce(CASE WHEN greatest(abs(mn), abs(mx)) > 0 THEN (mx - mn) / greatest(abs(mn), abs(mx)) ELSE 0 END
-                                  <= {_m.STATIONARY_RTOL}, false)) stationary
-        FROM (SELECT {K}, stat, idx, min(value) mn, max(value) mx FROM base JOIN usual USING ({K}, step)
+                                  <= {_m.STATIONARY_RTOL}, false) AND valued = compared) stationary
+        FROM (SELECT {K}, stat, idx, min(value) mn, max(value) mx, count(value) valued, count(*) compared FROM base JOIN usual USING ({K}, step)
               WHERE stat IN ({stats}) GROUP BY ALL) GROUP BY ALL""", _m.KEYS).stationary
     steps = _q(con, f"SELECT {K}, count(*) steps FROM usual GROUP BY ALL", _m.KEYS).steps
     con.execute(f"""CREATE TEMP TABLE ca AS SELECT {K}, idx, step, value FROM base JOIN usual USING ({K}, step) WHERE stat = 'chan_absmax'""")
@@ -333,9 +343,14 @@ def _dask_tables(sk, run):
     "The pooled tables of `partials.findings_from_tables`, each a distributed group-by over `sk` (whole steps per partition)."
     K, G, one, P = _m.KEYS, _p.G, dict(split_out=1), _p
     base = sk[~sk.role.isin(list(P.INFER_ROLES))]
-    ch = sk[sk.stat == 'chan_absmax'].map_partitions(P.chan_ratios)
+    ch = sk[sk.stat.isin(['chan_absmax', 'row_energy'])].map_partitions(P.chan_ratios)
+    cs, ev = ch.map_partitions(P.chan_steps), ch[ch.ok]
     q = dict(dead=sk[sk.stat == 'chan_density'].groupby(K + ['idx']).value.max(**one),
-             share=ch.groupby(K + ['idx'])[['hit', 'ratio']].mean(**one),
+             share=ev.groupby(K + ['idx'])[['hit', 'ratio']].mean(**one),
+             lo=ev.groupby(K + ['idx']).agg({'ratio': 'min', 'rank': 'max'}, **one),
+             ev=cs[cs.ok].groupby(K).agg({'step': 'count', 'n': 'max'}, **one),
+             draws=cs[cs.ok].groupby(K).med.nunique(**one),
+             few=cs[~cs.ok].groupby(K).step.count(**one),
              isum=sk[sk.role.isin(list(P.INFER_ROLES)) & (sk.stat != 'head_mass')].groupby(K + ['stat', 'idx']).value.sum(**one),
              head=sk.map_partitions(P.head_keys).groupby(K + ['h', 'key']).value.sum(**one),
              numel=base[base.stat == 'numel'][G + ['value']],
@@ -343,16 +358,18 @@ def _dask_tables(sk, run):
              steps=sk.map_partitions(P.tap_steps).groupby(K).size(**one),
              hist=sk.map_partitions(P.hist_steps).groupby(K)[['w', 'w2', 'w4']].sum(**one),
              rows=sk.map_partitions(P.row_steps).groupby(K)[['cv2', 'rows', 'rows90']].mean(**one),
-             chan=ch.map_partitions(P.chan_steps).groupby(K).agg({'ratio': 'mean', 'n': 'max'}, **one))
+             chan=cs.groupby(K).agg({'ratio': 'mean', 'n': 'max'}, **one))
     t = {k: _strkeys(v) for k, v in zip(q, run(*q.values()))}
-    share = t['share'].rename(columns={'hit': 'share', 'ratio': 'value'})
-    out = dict(dead=t['dead'], share=share[share.share >= _m.OUTLIER_PERSIST], infer=P.infer_table(t['isum'], t['head']),
-               features=None, cross=None)
+    share = (t['share'].rename(columns={'hit': 'share', 'ratio': 'value'}).merge(t['lo'].rename(columns={'ratio': 'lo'}), on=K + ['idx'])
+             .merge(t['ev'].rename(columns={'step': 'steps', 'n': 'channels'}), on=K).merge(t['draws'].rename(columns={'med': 'draws'}), on=K)
+             .merge(t['few'].rename(columns={'step': 'few'}), on=K, how='left').fillna({'few': 0}))
+    out = dict(dead=t['dead'], share=share[(share.share >= _m.OUTLIER_PERSIST) | (share.lo >= _m.OUTLIER_TOP_RATIO)],
+               infer=P.infer_table(t['isum'], t['head']), features=None, cross=None)
     if len(t['numel']):
         usual = _m.usual_steps(t['numel'].assign(stat='numel'))
         u = usual.astype({k: sk[k].dtype for k in K})
         ca = base.map_partitions(P.usual_rows, u, ['chan_absmax'])[G + ['idx', 'value']]
-        rng_ = _strkeys(run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max'], **one))[0])
+        rng_ = _strkeys(run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max', 'count', 'size'], **one))[0])
         ca = _strkeys(pd.concat(run(*ca.to_delayed())))   # the matrix's rows come back partition by partition, never concatenated on one worker
         rng_ = rng_.set_index(K)
         same = _m.stationary(rng_)   # the one stationarity definition

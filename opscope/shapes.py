@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_shapes.ipynb #ab24fa2f
 from __future__ import annotations
-import math, time
+import inspect, math, time
 import numpy as np
 import pandas as pd
 import torch
@@ -183,14 +183,23 @@ def _in_spec(gm):
     info = getattr(gm.graph._codegen, 'pytree_info', None)
     return None if info is None else info.in_spec
 
+# %% ../nbs/06_shapes.ipynb #dd9259d3-s3
+def _cacheless(model, kwargs:dict)->dict:
+    "`kwargs` with `use_cache=False` when `model`'s forward takes `use_cache` and the caller left it unset: a cache object is no tensor a graph can return, and filling it costs no GEMM."
+    if isinstance(model, torch.fx.GraphModule): return kwargs
+    try: takes = 'use_cache' in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError): takes = False
+    return {**kwargs, 'use_cache': False} if takes and 'use_cache' not in kwargs else kwargs
+
 # %% ../nbs/06_shapes.ipynb #dd9259d3-s2
 def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`; may live on the `meta` device
              *inputs, # its positional inputs (on the model's device; meta tensors count without computing)
-             **kwargs, # its keyword inputs
+             **kwargs, # its keyword inputs (a forward taking `use_cache` runs without its cache unless this sets it)
             )->pd.DataFrame:
     "One row per ATen op a forward runs: `site, op, kind, batch, M, K, N, flops, macs, bytes, intensity`; sites named as `inject` names them."
     m = model_or_gm
     if not isinstance(m, torch.fx.GraphModule) and not _torch_layer(m):
+        kwargs = _cacheless(m, kwargs)
         try: m = trace(m, *inputs, **kwargs)   # so GEMM sites get `inject.site_names`' names, the ones `record` writes
         except RuntimeError: pass              # untraceable (so `record` cannot tap it either): module paths name the ops
     if isinstance(m, torch.fx.GraphModule):
@@ -214,9 +223,10 @@ COVERAGE_MIN = 0.99  # below this share of GEMM FLOPs tapped, `record` warns (se
 
 def coverage(model:nn.Module, # an `nn.Module`, or a `GraphModule` from `trace`
              *inputs, # its positional inputs
-             **kwargs, # its keyword inputs
+             **kwargs, # its keyword inputs (a forward taking `use_cache` runs without its cache unless this sets it)
             )->pd.DataFrame:
     "One row per GEMM-like op of the traced graph: `site` (inject's name), `op`, `flops` (from `op_costs`) and whether it is `tapped`."
+    kwargs = _cacheless(model, kwargs)
     gm = model if isinstance(model, torch.fx.GraphModule) else trace(model, *inputs, **kwargs)
     gm = decompose_attention(gm)   # what inject_matmul_stats taps
     sites = matmul_sites(gm)

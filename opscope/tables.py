@@ -11,12 +11,15 @@ import pandas as pd
 
 # %% auto #0
 __all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'MINE_COLS', 'PARTITION_TYPES', 'TEXT_COLS',
-           'COMMIT_SUFFIX', 'InputError', 'MissingError', 'atomic_write', 'require_columns', 'as_strings',
+           'COMMIT_SUFFIX', 'InputError', 'ModelError', 'MissingError', 'atomic_write', 'require_columns', 'as_strings',
            'dataset_files', 'part_files', 'read_sketches']
 
 # %% ../nbs/00a_tables.ipynb #87253b86
 class InputError(ValueError):
     "Bad input to opscope (a file, a table, an argument): the command-line tools print it as one line."
+
+class ModelError(InputError, RuntimeError):
+    "A model opscope cannot record as it is given (no graph holds it, or its recording does not reproduce it): an `InputError` and a `RuntimeError`."
 
 class MissingError(InputError, KeyError):
     "The input names something that is not there (a site, a column): an `InputError` and a `KeyError`."

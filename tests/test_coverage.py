@@ -179,6 +179,22 @@ def test_eager_experts_refused_in_one_line():
         trace(m, torch.randint(0, 96, (1, 5)), use_cache=False)
     assert '\n' not in str(e.value)
 
+@pytest.mark.parametrize('arch', ['llama', 'mixtral'])
+def test_hf_causal_lm_covered_as_users_call_it(arch):
+    "A causal LM's default use_cache=True returns a cache object no graph can return: coverage runs it without the cache."
+    m = zoo.tiny_decoder(arch)
+    ids = torch.randint(2, m.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(30))
+    am = torch.ones_like(ids); am[1, :3] = 0                  # the second prompt left-padded
+    cov = coverage(m, ids)                                    # use_cache left at its default (True)
+    assert tapped_share(cov) == 1.0 and coverage_warning(cov) is None
+    assert cov.site.str.contains(r'\.expert\d', regex=True).any() == (arch == 'mixtral')
+    batch = dict(input_ids=ids, attention_mask=am)            # a tokenizer's batch, as `record` takes it
+    cov_b = coverage(m, **batch)
+    assert tapped_share(cov_b) == 1.0 and cov_b.flops.sum() == cov.flops.sum()
+    assert coverage(m, ids, use_cache=False).equals(cov)
+    c = op_costs(m, ids)                                      # traced too: GEMM sites carry inject's names
+    assert set(c[c.kind == 'matmul'].site) <= set(cov.site) and c[c.kind.isin(GEMM_KINDS)].flops.sum() == cov.flops.sum()
+
 # --- one name everywhere ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('name', ['transformer', 'moe', 'resnet18'])

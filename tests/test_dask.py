@@ -52,6 +52,21 @@ def test_three_engines_same_findings_on_two_workers(sketches, cluster):
     assert not same_findings(ref, bad)
 
 
+def test_dask_agrees_on_steps_without_rows_and_outlier_evidence(cluster):
+    "Issue #33: steps where an expert saw no rows, steps with too few rows, and the persistence path of channel-outliers, as pandas reads them."
+    from test_steps_outliers import _tap, _chan, _spread
+    nan = np.nan
+    df = pd.concat([_tap('expert3', [3.67, 2.44] + [nan] * 4, [[3.67, 1.2], [2.44, 0.9]] + [[nan, nan]] * 4),
+                    _tap('expert1', [1.5, 1.5] + [nan] * 4, [[1.5, 0.7]] * 2 + [[nan, nan]] * 4),
+                    _tap('weight', [0.5] * 6, [[0.5, 0.25]] * 6, role='rhs'),
+                    _chan([[5] + _spread(t, 383) for t in range(3)], rows=8, site='top'),
+                    _chan([[20] + _spread(t, 383) for t in range(3)], rows=3, site='thin')], ignore_index=True)
+    ref = mine(df)
+    assert set(ref[ref.exploit == 'stationary'].site) == {'expert1', 'weight'}
+    assert set(ref[ref.exploit == 'channel-outliers'].site) == {'top'}
+    assert same_findings(ref, mine_dask(df, cluster)) and same_findings(ref, mine_duckdb(df))
+
+
 def test_dask_refuses_rank_clash_and_bad_input(sketches, cluster, tmp_path):
     df, _ = sketches
     one = df[df.run_id == 'mnist']

@@ -10,6 +10,14 @@ The files were written by the code just before the refactor (commit 6355fc6) plu
 stepped run (their rhs is an activation, not a linear layer's weight), and a MiniLM batch's `attention_mask`
 reaches the row statistics (its projections' lhs histograms then count every real token's values, not a stride
 sample). Those are deliberate changes of behaviour, not of the refactor; everything else is 6355fc6's output.
+
+Issue #33 (items 5 and 7) rewrote the findings files and the CLI mine outputs on purpose, channel-outliers only: every
+such detail now says on how many evidence steps it stands ("~19× the median on 2 steps"); a channel also counts when it
+is ≥ 4× its median on every step at a rank chance would not give it, so MiniLM gains channel 99 on the q/k/v inputs of
+layer 0 (5.6× in both steps; layers 1-5 were found before) and ten more channels (two `deep-dump` pointers are now
+explained by them), and the stepped run (an AR(1) stream with a drifting mean) gains `layers.0.ffn.down` lhs channel 78
+(4.5-5.6× in all 5 steps, ranked 2-3 of 128); a step with fewer than 4 rows is not evidence, so MiniLM's pooler (2 CLS
+rows a step) loses channel 99. Plans did not change.
 """
 import contextlib, io, os, sys, tempfile, time
 from pathlib import Path

@@ -1,0 +1,128 @@
+"What a new user hits first (issue 33, item 9): option spellings, `opscope-record --hf` loading once and failing in one line, no export log noise, and `mine` on what `record` returns."
+import logging
+import pytest, torch
+from fastcore.script import anno_parser
+from opscope import cli
+from opscope.cli import opscope_record, kebab_options
+from opscope.recorder import record, read_sketches
+from opscope.miner import mine
+from opscope.runners import record_generate, tiny_decoder
+
+COMMANDS = [getattr(cli, n) for n in cli.__all__ if n.startswith('opscope_')]
+
+
+def _call(capsys, *argv, **kw):
+    "Run opscope_record in process; (exit code, stderr)."
+    try: opscope_record(*argv, **kw)
+    except SystemExit as e: return e.code, capsys.readouterr().err
+    return 0, capsys.readouterr().err
+
+
+def _decoder_folder(d, seed=9):
+    "A tiny Llama saved with save_pretrained, and a word-level tokenizer built offline beside it."
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ['<pad>', '</s>', '<unk>'] + [f'w{i}' for i in range(125)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token='<unk>'))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token='<pad>', eos_token='</s>', unk_token='<unk>').save_pretrained(d)
+    tiny_decoder('llama', seed=seed).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope='module')
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp('hf')
+    (d / 'p.txt').write_text('w3 w5 w7 w9\nw4 w8\n')
+    return _decoder_folder(d / 'tiny-llama')
+
+
+# --- option spellings ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('fn', COMMANDS, ids=lambda f: f.__name__)
+def test_every_option_takes_both_spellings(fn):
+    p = kebab_options(anno_parser(fn.__wrapped__))
+    for a in p._actions:
+        for s in a.option_strings:
+            if s.startswith('--') and '_' in s: assert s.replace('_', '-') in a.option_strings, (fn.__name__, s)
+
+
+def test_console_script_takes_the_documented_spelling(hf_dir, cli, tmp_path):
+    "`--max-new-tokens`, as the docs and the error message spell it, through the installed entry point."
+    r = cli('opscope-record', str(tmp_path / 'g.csv'), '--hf', str(hf_dir), '--prompts', str(hf_dir.parent / 'p.txt'),
+            '--max-new-tokens', '2')
+    assert r.returncode == 0, r.stderr
+    assert read_sketches(tmp_path / 'g.csv').step.nunique() == 2
+    r = cli('opscope-record', str(tmp_path / 'h.csv'), '--hf', str(hf_dir), '--prompts', str(hf_dir.parent / 'p.txt'),
+            '--max-new-tokens', '0')
+    assert r.returncode == 2 and r.stderr == 'opscope-record: error: --max-new-tokens must be at least 1, not 0\n', r.stderr
+    r = cli('opscope-record', str(tmp_path / 'h.csv'), '--max-new-tokens', 'many')                   # argparse's own error
+    assert r.returncode == 2 and "argument --max_new_tokens/--max-new-tokens: invalid int value: 'many'" in r.stderr
+    assert not (tmp_path / 'h.csv').exists()
+
+
+# --- opscope-record --hf --------------------------------------------------------------------------------------------
+
+def test_hf_model_loaded_once(hf_dir, tmp_path, capsys, monkeypatch):
+    import transformers as tf
+    loads, load = [], tf.AutoModelForCausalLM.from_pretrained.__func__
+    def counted(cls, *a, **k):
+        loads.append(a[0] if a else k.get('pretrained_model_name_or_path'))
+        return load(cls, *a, **k)
+    monkeypatch.setattr(tf.AutoModelForCausalLM, 'from_pretrained', classmethod(counted))
+    code, err = _call(capsys, str(tmp_path / 'g.parquet'), hf=str(hf_dir), prompts=str(hf_dir.parent / 'p.txt'), max_new_tokens=2)
+    assert code == 0, err
+    assert len(loads) == 1, loads
+
+
+def test_hf_folder_transformers_cannot_load_is_one_line(hf_dir, tmp_path, capsys):
+    import shutil
+    unknown, torn = tmp_path / 'unknown', tmp_path / 'torn'
+    shutil.copytree(hf_dir, unknown); shutil.copytree(hf_dir, torn)
+    cfg = unknown / 'config.json'
+    cfg.write_text(cfg.read_text().replace('"model_type": "llama"', '"model_type": "nosuchmodel"'))
+    w = next(torn.glob('*.safetensors')); w.write_bytes(w.read_bytes()[:1000])
+    for d, msg in [(unknown, 'nosuchmodel'), (torn, 'SafetensorError')]:
+        code, err = _call(capsys, str(tmp_path / 'o.csv'), hf=str(d), prompts=str(hf_dir.parent / 'p.txt'))
+        lines = err.strip().splitlines()
+        assert code == 2 and 'Traceback' not in err, err
+        assert lines[-1].startswith(f'opscope-record: error: {d}: ') and msg in lines[-1], err
+    assert not (tmp_path / 'o.csv').exists()
+
+
+def test_untraceable_model_is_one_line(tmp_path, capsys):
+    (tmp_path / 'f.py').write_text(
+        "import torch\n"
+        "class Branchy(torch.nn.Module):\n"
+        "    def __init__(self): super().__init__(); self.l = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        y = self.l(x)\n"
+        "        return y if y.sum().item() > 0 else -y     # data-dependent control flow: no graph holds it\n"
+        "def make(): return Branchy(), [torch.randn(3, 4)]\n")
+    code, err = _call(capsys, str(tmp_path / 'o.csv'), model=f'{tmp_path}/f.py:make')
+    assert code == 2 and 'Traceback' not in err, err
+    assert err.strip().splitlines()[-1].startswith('opscope-record: error: cannot trace Branchy: '), err
+    assert not (tmp_path / 'o.csv').exists()
+
+
+# --- library -------------------------------------------------------------------------------------------------------
+
+def test_record_generate_logs_nothing_from_export(capfd):
+    m = tiny_decoder('llama')
+    ids = torch.randint(2, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    log = logging.getLogger('torch._export.non_strict_utils')
+    level = log.level
+    record_generate(m, ids, 3)
+    err = capfd.readouterr().err
+    assert 'Dim.AUTO' not in err and 'specialized' not in err, err
+    assert log.level == level                      # the logger's level is restored
+
+
+@pytest.mark.parametrize('out', ['x.csv', 'x.parquet', 'x_dataset'])
+def test_mine_takes_what_record_returns(tmp_path, out):
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    bs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    r = record(m, bs, sink=tmp_path / out)          # a `Recorded` summary, not the rows
+    assert len(r) == len(read_sketches(tmp_path / out))
+    f = mine(r)
+    assert len(f) and f.equals(mine(read_sketches(tmp_path / out)))

@@ -1,0 +1,139 @@
+"Decoder families a user brings, from small configs (random weights): `record_generate` gives `generate`'s tokens, or refuses in one line before any row is written."
+import warnings
+import pytest, torch
+tf = pytest.importorskip('transformers')
+from opscope.runners import record_generate, _CHECKED
+from opscope.recorder import record
+from opscope.tables import InputError
+
+H = 32
+COMMON = dict(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=96, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+           num_experts_per_tok=2, moe_intermediate_size=H, first_k_dense_replace=1, n_shared_experts=1)
+
+def config(family, window=None):
+    c = dict(COMMON)
+    return {'mistral': lambda: tf.MistralConfig(**c, sliding_window=window),
+            'gemma2': lambda: tf.Gemma2Config(**c, sliding_window=window, head_dim=8),
+            'gemma3': lambda: tf.Gemma3TextConfig(**c, sliding_window=window, head_dim=8),
+            'gpt_oss': lambda: tf.GptOssConfig(**c, sliding_window=window, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
+            'deepseek_v2': lambda: tf.DeepseekV2Config(**{**c, **MLA}, q_lora_rank=None),
+            'deepseek_v3': lambda: tf.DeepseekV3Config(**{**c, **MLA}, q_lora_rank=16, n_group=1, topk_group=1),
+            'granitemoe': lambda: tf.GraniteMoeConfig(**c, num_local_experts=4, num_experts_per_tok=2),
+            'jamba': lambda: tf.JambaConfig(**c, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                                            expert_layer_period=2, expert_layer_offset=1),
+            'mamba': lambda: tf.MambaConfig(hidden_size=H, num_hidden_layers=2, vocab_size=96, bos_token_id=0, eos_token_id=1,
+                                            pad_token_id=0)}[family]()
+
+def build(family, window=None):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        return tf.AutoModelForCausalLM.from_config(config(family, window)).eval()
+
+def prompt(B=2, T=6):
+    ids = torch.randint(2, 96, (B, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids); mask[0, :2] = 0     # left padding in the first row
+    return ids, mask
+
+def greedy(m, ids, mask, n):
+    return m.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+NEW = 5   # prompt 6 + 5 new tokens: the cache holds 10 slots
+
+@pytest.mark.parametrize('family,window', [('mistral', 64), ('gemma2', 64), ('gemma3', 10), ('gpt_oss', 64),
+                                           ('deepseek_v2', None), ('deepseek_v3', None), ('granitemoe', None)])
+def test_tokens_equal_generate(family, window):
+    "Sliding windows that hold every token (10 slots: exactly, in gemma3's case), MLA caches (keys wider than values), GraniteMoE."
+    m = build(family, window)
+    ids, mask = prompt()
+    toks, df = record_generate(m, ids, NEW, mask, check=False)   # our own comparison, not the built-in oracle's
+    assert torch.equal(toks, greedy(m, ids, mask, NEW))
+    assert sorted(df.step.unique()) == list(range(NEW))
+
+@pytest.mark.parametrize('family', ['mistral', 'gemma2', 'gpt_oss'])
+def test_short_window_refused_before_any_row(family, tmp_path):
+    m = build(family, 4)
+    ids, mask = prompt()
+    sink = tmp_path / 'x.csv'
+    with pytest.raises(InputError, match=r'sliding window holds 4 tokens and this run needs 10.*shorten the prompt|within 4'):
+        record_generate(m, ids, NEW, mask, sink=sink)
+    assert not sink.exists() or sink.read_text().count('\n') <= 1
+
+@pytest.mark.parametrize('family', ['jamba', 'mamba'])
+def test_state_space_refused_in_one_line(family):
+    m = build(family)
+    ids, mask = prompt()
+    with pytest.raises(InputError) as e: record_generate(m, ids, 3, mask)
+    msg = str(e.value)
+    assert '\n' not in msg and 'key/value cache in every layer' in msg and 'use_cache=False' in msg
+    df = record(m, [dict(input_ids=ids, attention_mask=mask, use_cache=False)])   # what the message says to do instead
+    assert (df.role == 'lhs').any()
+
+def test_oracle_stops_at_the_first_differing_step(tmp_path):
+    "The tokens are checked against `model.generate`'s: a mismatch stops the run at that step, its rows unwritten."
+    m = build('mistral', 64)
+    ids, mask = prompt()
+    good = greedy(m, ids, mask, NEW)
+    bad = good.clone(); bad[1, ids.shape[1] + 2] = (bad[1, ids.shape[1] + 2] + 1) % 96   # generate 'disagrees' at step 2
+    m.generate = lambda *a, **k: bad
+    sink = tmp_path / 'run.csv'
+    with pytest.raises(RuntimeError, match=r'at step 2 gives token .* where model.generate gives .* \(row 1\)'):
+        record_generate(m, ids, NEW, mask, sink=sink, check=True)
+    from opscope.tables import read_sketches
+    assert sorted(read_sketches(sink).step.unique()) == [0, 1]     # the steps before it, whole; nothing of step 2 on
+    assert m not in _CHECKED
+
+def test_oracle_runs_once_per_model():
+    m = build('granitemoe')
+    ids, mask = prompt()
+    calls, gen = [], m.generate
+    m.generate = lambda *a, **k: calls.append(1) or gen(*a, **k)
+    t1, _ = record_generate(m, ids, 3, mask)
+    t2, _ = record_generate(m, ids, 3, mask)
+    assert calls == [1] and torch.equal(t1, t2) and m in _CHECKED
+
+def test_every_nth_step_and_chosen_vectors():
+    m = build('granitemoe')
+    ids, mask = prompt()
+    toks, df = record_generate(m, ids, 7, mask, every=3, vectors=('hist',), check=False)
+    assert torch.equal(toks, greedy(m, ids, mask, 7))
+    assert sorted(df.step.unique()) == [0, 3, 6]              # the prefill and every third decode step
+    assert not df.stat.isin(['chan_density', 'key_uniform', 'head_mass', 'expert_mass']).any()
+    assert (df[df.stat == 'hist'].shape[0] > 0) and (df.M > 0).any() and (df.K > 0).any()   # the tap dims survive
+    with pytest.raises(InputError, match='every must be at least 1'): record_generate(m, ids, 3, mask, every=0)
+    with pytest.raises(InputError, match='unknown vector'): record_generate(m, ids, 3, mask, vectors=('nope',))
+
+@pytest.mark.parametrize('family,window', [('granitemoe', None), ('gpt_oss', 64)])
+def test_router_softmax_is_not_attention(family, window):
+    "A router's softmax over its top-k values is covered by the gate tap, never an `attn` site; no padding warning names it."
+    m = build(family, window)
+    ids, mask = prompt()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        _, df = record_generate(m, ids, 3, mask, check=False)
+    attn = set(df[df.role == 'attn'].site)
+    assert attn and all('self_attn' in s for s in attn)
+    assert set(df[df.role == 'gate'].site) == {f'model.layers.{i}.{"block_sparse_moe" if family == "granitemoe" else "mlp"}.router.topk' for i in range(2)}
+    assert not [w for w in said if 'padded tokens still count' in str(w.message)]
+
+def test_sizing_the_cache_reaches_no_hook():
+    "`static_cache` runs one token through the model to size each layer's tensors (MLA writes a latent, not per-head keys); the user's hooks never see that call."
+    from opscope.runners import static_cache
+    m = build('deepseek_v2')
+    seen = []
+    h = m.model.layers[0].register_forward_hook(lambda *a: seen.append(1))
+    keys, values = static_cache(m, 2, 10)
+    h.remove()
+    assert seen == [] and m.model.layers[0]._forward_hooks == {}
+    assert all(k.shape[2] == 10 and not k.any() for k in keys + values)
+
+def test_record_a_causal_lm_forward_as_users_call_it():
+    "`record` on a Hugging Face causal LM with its default `use_cache=True`: the cache object is left out, every GEMM recorded."
+    from opscope.zoo import tiny_decoder
+    m = tiny_decoder('llama')
+    ids, mask = prompt()
+    df = record(m, [dict(input_ids=ids, attention_mask=mask)] * 2)
+    assert len(record(m, [ids])) > 0
+    assert sorted(df.step.unique()) == [0, 1] and 'lm_head' in set(df.site)
