@@ -520,7 +520,7 @@ def _user_job(model, hf, prompts, max_new_tokens, keep):
         if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
         if max_new_tokens < 1: raise CliError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
         texts, loaded = read_prompts(prompts), load_hf(hf)      # loaded once, before OUT is touched
-        return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens, loaded=loaded)
+        return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens, loaded=loaded, keep=keep)
     m, batches = load_factory(model)
     name = model.rpartition(':')[2]
     return name, lambda sink: record(m, batches, run_id=name, sink=sink, progress=True, keep=keep)

@@ -326,6 +326,7 @@ def record_hf(path, # a local Hugging Face folder (`load_hf`)
               batch:int=4, # encoders: prompts per recorded step
               run_id:str=None, # default: the folder's name
               loaded:tuple=None, # what `load_hf(path)` returned, when the caller has loaded it already
+              keep:bool=True, # return the rows (False, with a sink: a `Recorded` summary, memory one step)
              )->pd.DataFrame:
     "Record a local Hugging Face model on `prompts`: a decoder through `record_generate`, an encoder with `record`."
     model, tok, dec = loaded or load_hf(path)
@@ -335,8 +336,8 @@ def record_hf(path, # a local Hugging Face folder (`load_hf`)
         if tok.pad_token is None: tok.pad_token = tok.eos_token or tok.unk_token
         enc = tok(prompts, padding=True, return_tensors='pt')
         return record_generate(model, enc['input_ids'], max_new_tokens, enc['attention_mask'], run_id=run_id,
-                               dist='prompts', sink=sink)[1]
+                               dist='prompts', sink=sink, keep=keep or sink is None)[1]
     T = max(len(tok(s)['input_ids']) for s in prompts)      # one length for every step
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     batches = [dict(tok(g, padding='max_length', max_length=T, return_tensors='pt')) for g in groups]
-    return record(model, batches, run_id=run_id, dist='prompts', sink=sink, keep=True)
+    return record(model, batches, run_id=run_id, dist='prompts', sink=sink, keep=keep or sink is None)

@@ -126,3 +126,14 @@ def test_mine_takes_what_record_returns(tmp_path, out):
     assert len(r) == len(read_sketches(tmp_path / out))
     f = mine(r)
     assert len(f) and f.equals(mine(read_sketches(tmp_path / out)))
+
+
+def test_infer_hf_decoder_mines_the_rows_it_wrote(hf_dir, cli, tmp_path):
+    "`opscope-infer --hf` on a decoder keeps its rows to mine (a sink alone would return counts); `opscope-record` keeps none."
+    r = cli('opscope-infer', str(tmp_path / 'i.csv'), '--hf', str(hf_dir), '--prompts', str(hf_dir.parent / 'p.txt'),
+            '--max-new-tokens', '2')
+    assert r.returncode == 0, r.stderr
+    assert '2 steps, gate passed' in r.stdout and read_sketches(tmp_path / 'i.csv').step.nunique() == 2
+    r = cli('opscope-record', str(tmp_path / 'r.csv'), '--hf', str(hf_dir), '--prompts', str(hf_dir.parent / 'p.txt'),
+            '--max-new-tokens', '2')
+    assert r.returncode == 0 and 'rows: 2 steps' in r.stdout, r.stderr
