@@ -51,15 +51,17 @@ def decoder_cache(model:nn.Module, # a `...ForCausalLM`
                          f"a full window rolls on a Python-side count that one traced graph cannot replay; {fix}")
     return cache
 
+def _cache_kw(model):
+    "The name `model.forward` gives its cache argument (it differs by transformers version)."
+    return 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
+
 class StaticDecoder(nn.Module):
     "A Hugging Face decoder over a static KV cache passed in as tensors: `(ids, mask, positions, cache_position, keys, values) -> logits`."
     def __init__(self, model:nn.Module, # a `...ForCausalLM` (left untouched)
                  max_len:int, # the cache length: prompt + new tokens - 1
                 ):
         super().__init__()
-        self.model, self.max_len = model, max_len
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = 'cache' if 'cache' in params else 'past_key_values'   # the argument's name differs by version
+        self.model, self.max_len, self.cache_kw = model, max_len, _cache_kw(model)
         decoder_cache(model, max_len)                  # checked once, a one-line refusal before any call
     def forward(self, input_ids, attention_mask, position_ids, cache_position, keys, values):
         from transformers import StaticCache           # optional heavy dependency
@@ -95,9 +97,8 @@ def static_cache(model:nn.Module, # the decoder
     "Zeroed key and value tensors, one of each per layer, shaped as the model's own layers write them into a `transformers.StaticCache`."
     dev = device or next(model.parameters()).device
     c = decoder_cache(model, max_len)
-    kw = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
     with torch.no_grad(), _hooks_off(model):    # one token through the model: the layers allocate their tensors as they write them
-        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=dev), use_cache=True, **{kw: c})
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=dev), use_cache=True, **{_cache_kw(model): c})
     return [l.keys.zero_() for l in c.layers], [l.values.zero_() for l in c.layers]
 
 # %% ../nbs/02b_runners.ipynb #5cbf496c
@@ -171,8 +172,8 @@ def _follow(logits, ids, ref, step, name):
     if bool(tie.all()): return ref
     r = int((~tie).nonzero()[0, 0])
     raise ModelError(f"record_generate: {name} at step {step} gives token {int(ids[r, 0])} where model.generate gives "
-                       f"{int(ref[r, 0])} (row {r}): opscope's static-cache wrapper does not reproduce this model, so nothing "
-                       f"from step {step} on was recorded")
+                     f"{int(ref[r, 0])} (row {r}): opscope's static-cache wrapper does not reproduce this model, so nothing "
+                     f"from step {step} on was recorded")
 
 def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval mode
                     input_ids:torch.Tensor, # (batch, prompt) token ids, left-padded
