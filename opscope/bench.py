@@ -12,8 +12,10 @@ import torch
 import torch.nn as nn
 from .tables import atomic_write
 from .zoo import DISTS, make_tensor, transformer, outlier_channels
-from . import inject
-from .inject import trace, inject_matmul_stats, compile_injected, rebuild, sketch, sketch_node, meta_shape, sample_stride, STATS, HIST_SAMPLE, NEARZERO_REL
+from . import sketch as sketch_mod   # the module, whose settings (`EAGER_KERNEL`, `SKETCH_KERNELS`) the bench switches
+from .sketch import sketch, sketch_node, sample_stride, STATS, HIST_SAMPLE, NEARZERO_REL
+from .sites import trace, rebuild, meta_shape, _hint
+from .inject import inject_matmul_stats, compile_injected
 from .recorder import record
 from .miner import mine
 from .scale import mine_duckdb
@@ -151,7 +153,7 @@ def _compiled(fn, x, compiler=torch.compile):
     return c, *times
 
 def _copy(fn):
-    "`fn` with code of its own, so Dynamo compiles it anew (`inject.rebuild`); other callables as they are."
+    "`fn` with code of its own, so Dynamo compiles it anew (`sites.rebuild`); other callables as they are."
     return rebuild(fn) if isinstance(fn, torch.fx.GraphModule) else fn
 
 def _warm_compiler(x):
@@ -160,15 +162,15 @@ def _warm_compiler(x):
 
 @contextlib.contextmanager
 def _settings(**kw):
-    "Run the block with `inject`'s module settings (`SKETCH_KERNELS`, `EAGER_KERNEL`) set as given."
-    old = {k: getattr(inject, k) for k in kw}
-    for k, v in kw.items(): setattr(inject, k, v)
+    "Run the block with `sketch`'s module settings (`SKETCH_KERNELS`, `EAGER_KERNEL`) set as given."
+    old = {k: getattr(sketch_mod, k) for k in kw}
+    for k, v in kw.items(): setattr(sketch_mod, k, v)
     try: yield
     finally:
-        for k, v in old.items(): setattr(inject, k, v)
+        for k, v in old.items(): setattr(sketch_mod, k, v)
 
 def _fused(f):
-    "`f` run with `inject.EAGER_KERNEL = 'auto'`: eager sketches of big CPU taps by the fused kernel."
+    "`f` run with `sketch.EAGER_KERNEL = 'auto'`: eager sketches of big CPU taps by the fused kernel."
     def g():
         with _settings(EAGER_KERNEL='auto'): return f()
     return g
@@ -178,7 +180,7 @@ def _layout_of(node)->tuple:
     "A graph node's tensor (shape, strides) from its metadata: what a nested compile region is keyed on (the same shape with other strides is a region of its own)."
     tm, v = node.meta.get('tensor_meta'), node.meta.get('val')
     stride = tm.stride if tm is not None and hasattr(tm, 'stride') else v.stride() if isinstance(v, torch.Tensor) else ()
-    return meta_shape(node), tuple(inject._hint(d) for d in stride)
+    return meta_shape(node), tuple(_hint(d) for d in stride)
 
 def _weight_policy(inj)->str:
     "When an injected graph re-sketches a weight: 'values' (its fingerprint, values included, changed: the default), 'version' (its version or address changed: `cache_weights='version'`, the hooks' policy), 'every call' (in the graph: `cache_weights=False`)."
@@ -186,22 +188,22 @@ def _weight_policy(inj)->str:
     return 'every call' if not st or not st['paths'] else 'values' if st['content'] else 'version'
 
 def _sketched(inj, kernel:str=None)->dict:
-    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `inject.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), their distinct shapes and memory layouts (one nested compile region, so one fused kernel, each under torch.compile), and when it re-sketches a weight."
+    "What one call of an injected graph sketches: tensors, their elements, how many of them the fused eager kernel reads with `sketch.EAGER_KERNEL = kernel` (the bench models are float32 on CPU), their distinct shapes and memory layouts (one nested compile region, so one fused kernel, each under torch.compile), and when it re-sketches a weight."
     man = inj.manifest[~inj.manifest.static].drop_duplicates('tensor')
     shapes = {_layout_of(n.args[0]) for n in inj.graph.nodes if n.target is sketch_node}
     probe = torch.empty(0)   # a float32 CPU tensor like the bench models' taps
-    fused = sum(inject._use_fused(probe, n, kernel) for n in man.numel.fillna(0))
+    fused = sum(sketch_mod._use_fused(probe, n, kernel) for n in man.numel.fillna(0))
     return dict(sketched=len(man), elements=float(man.numel.fillna(0).sum()), fused=fused, blocked=_blocked_taps(inj, kernel),
                 shapes=len(shapes), weights=_weight_policy(inj))
 
 def _blocked_taps(inj, kernel:str=None)->int:
-    "How many of the tensors one call of an injected graph sketches run the eager passes block by block (`inject._blocked`) in this process, with `inject.EAGER_KERNEL = kernel`."
+    "How many of the tensors one call of an injected graph sketches run the eager passes block by block (`sketch._blocked`) in this process, with `sketch.EAGER_KERNEL = kernel`."
     seen = {}
     for n in inj.graph.nodes:
         if n.target is sketch_node and n.args[0] not in seen:
             like = torch.empty_strided(*_layout_of(n.args[0]))   # the tap's shape and strides as a float32 CPU tensor, like the bench models' taps (never written, so no pages touched)
-            R, C = inject._dims(like)[:2]
-            seen[n.args[0]] = not inject._use_fused(like, R * C, kernel) and inject._blocked(like, R, R * C)   # `_raw`'s own choice, contiguity included
+            R, C = sketch_mod._dims(like)[:2]
+            seen[n.args[0]] = not sketch_mod._use_fused(like, R * C, kernel) and sketch_mod._blocked(like, R, R * C)   # `_raw`'s own choice, contiguity included
     return sum(seen.values())
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2
@@ -264,7 +266,7 @@ def _lfl_rows(fused:bool=False, tuned:bool=False)->tuple:
 def _count(v): return int(v) if v is not None and np.isfinite(v) else None   # a count column of a report (None where a run did not measure it)
 
 def like_for_like(tab:pd.DataFrame, # from `overhead_table`
-                  fused:bool=False, # the injected graph with the fused eager kernel (`inject.EAGER_KERNEL = 'auto'`) instead of the default
+                  fused:bool=False, # the injected graph with the fused eager kernel (`sketch.EAGER_KERNEL = 'auto'`) instead of the default
                   tuned:bool=False, # the hooks with `_np_sketch_tuned` instead of `_np_sketch`
                  )->dict:
     "Hooks + numpy vs the injected graph on the same nn.Linear taps: the ratio of the time each adds to the plain forward, the tensors each sketched per forward, when each re-sketches a weight, each one's ms per tap, and the ratio of the whole forwards."

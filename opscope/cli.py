@@ -4,9 +4,55 @@
 
 # %% ../nbs/09_cli.ipynb #d15a85aa
 from __future__ import annotations
-import argparse, contextlib, functools, inspect, math, os, signal, sys, tempfile, warnings
+import argparse, contextlib, functools, inspect, math, os, re, signal, sys, tempfile, threading, types, warnings
 from pathlib import Path
-import pandas as pd
+
+# %% auto #0
+__all__ = ['STOP_SIGNALS', 'EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES',
+           'SEED_MAX', 'SWEEP_MAX_STEPS', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN',
+           'INFER_MAX_STEPS', 'MAX_NEW_TOKENS', 'NEW_TOKENS_WHY', 'BENCH_MAX_ROWS', 'BENCH_ROW_BYTES',
+           'SPECIALIZE_MAX_BATCH', 'Interrupted', 'CliError', 'cli_errors', 'stop_signals', 'signals_wait',
+           'kebab_options', 'command', 'console', 'opscope_probe', 'opscope_shapes', 'check_recording_out', 'recording',
+           'check_whole_out', 'in_range', 'positive', 'machine_memory', 'fits_memory', 'gemm_memory',
+           'check_gemm_memory', 'opscope_sweep', 'format_findings', 'opscope_mine', 'record_to', 'opscope_seq',
+           'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview', 'opscope_plan',
+           'opscope_infer', 'opscope_bench', 'opscope_record', 'opscope_specialize']
+
+# %% ../nbs/09_cli.ipynb #d15a85aa-s1
+class Interrupted(BaseException):
+    "SIGINT or SIGTERM, raised in the main thread so a command stops where it is, closes its output and exits 128 + the signal's number."
+    def __init__(self, signum:int): super().__init__(signal.Signals(signum).name); self.signum = signum
+    @property
+    def code(self)->int: return 128 + self.signum
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STATE = types.SimpleNamespace(signum=None, raised=False, armed=False, combine_stopped=False, kept=None)   # the first signal, and what OUT kept
+
+def _in_combine(frame)->bool:
+    "Whether `frame` runs inside the recorder's final Parquet combine, which a signal may stop: the parts it reads stay whole."
+    while frame is not None:
+        if frame.f_code.co_name == '_combine_parts' and frame.f_globals.get('__name__') == 'opscope.recorder': return True
+        frame = frame.f_back
+    return False
+
+def _on_signal(signum, frame):
+    "SIGINT's and SIGTERM's handler: note the first and raise it while armed; stop the final Parquet combine once; otherwise a signal waits."
+    if _STATE.signum is None: _STATE.signum = signum
+    if _STATE.armed and not _STATE.raised: _STATE.raised = True; raise Interrupted(_STATE.signum)
+    if not _STATE.combine_stopped and _in_combine(frame): _STATE.combine_stopped = True; raise Interrupted(_STATE.signum)
+
+def _install(handler)->dict:
+    "`handler` for SIGINT and SIGTERM, except one that is ignored (an inherited ignore is honoured); the handlers it replaced."
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s, h in old.items():
+        if h is not signal.SIG_IGN: signal.signal(s, handler)
+    return old
+
+if Path(getattr(sys.modules.get('__main__'), '__file__', None) or '').name.startswith('opscope-'):   # an installed console script
+    _install(_on_signal)
+
+# %% ../nbs/09_cli.ipynb #d15a85aa-s2
+import numpy as np, pandas as pd
 from fastcore.script import anno_parser, Param
 from .tables import InputError, atomic_write
 from .zoo import MODELS, INFER_MODELS, model_names, get_model, infer_workload
@@ -21,16 +67,6 @@ from .docs import docs_preview
 from .bench import bench_report, goal_table, save_report
 from .runners import load_factory, load_hf, read_prompts, record_hf
 from .specialize import specialize_model, format_report
-
-
-# %% auto #0
-__all__ = ['EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX',
-           'SWEEP_MAX_STEPS', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS',
-           'SPECIALIZE_MAX_BATCH', 'CliError', 'cli_errors', 'kebab_options', 'command', 'opscope_probe',
-           'opscope_shapes', 'check_recording_out', 'recording', 'check_whole_out', 'in_range', 'positive',
-           'opscope_sweep', 'format_findings', 'opscope_mine', 'record_to', 'opscope_seq', 'opscope_mnist',
-           'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer',
-           'opscope_bench', 'opscope_record', 'opscope_specialize']
 
 # %% ../nbs/09_cli.ipynb #3615fb9d
 class CliError(Exception):
@@ -57,6 +93,45 @@ def cli_errors(prog:str): # the command's name, printed before the message
         print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
 
+# %% ../nbs/09_cli.ipynb #5e1a0002
+@contextlib.contextmanager
+def stop_signals():
+    "Within the block the first SIGINT or SIGTERM raises `Interrupted` (one noted while the command started, on entry); later ones wait. An ignored signal stays ignored; the old handlers come back after."
+    if threading.current_thread() is not threading.main_thread(): yield; return
+    if _on_signal not in map(signal.getsignal, STOP_SIGNALS): _STATE.__dict__.update(signum=None, raised=False, combine_stopped=False, kept=None)   # a new run
+    old, armed = _install(_on_signal), _STATE.armed
+    _STATE.armed = True
+    try:
+        if _STATE.signum is not None: _STATE.raised = True; raise Interrupted(_STATE.signum)
+        yield
+    finally:
+        _STATE.armed = armed
+        for s, h in old.items():
+            if h is not None: signal.signal(s, h)
+
+# %% ../nbs/09_cli.ipynb #5e1a0006
+@contextlib.contextmanager
+def signals_wait():
+    "Within the block signals wait (a commit: a step's write, the close); one that came meanwhile is raised as the block ends, where the code was armed."
+    armed, _STATE.armed = _STATE.armed, False
+    try: yield
+    finally: _STATE.armed = armed
+    if armed and _STATE.signum is not None and not _STATE.raised: _STATE.raised = True; raise Interrupted(_STATE.signum)
+
+# %% ../nbs/09_cli.ipynb #5e1a0003
+def _stopped(prog:str, # the command's name
+             out:str=None, # a recording's OUT (None: the command records nothing)
+             e:BaseException=None, # the exception the signal raised, if any
+            )->SystemExit:
+    "Print the one line a signal ends a command with (a recording's says how many finished steps OUT kept, and where); its `SystemExit`: 128 + the first signal's number."
+    signum = _STATE.signum or getattr(e, 'signum', signal.SIGINT)
+    line = f"{prog}: interrupted"
+    if out is not None:
+        steps, where = _STATE.kept or (0, out)
+        line += f": kept {steps} finished step{'s' * (steps != 1)} in {where}"
+    print(line, file=sys.stderr, flush=True)
+    return SystemExit(128 + signum)
+
 # %% ../nbs/09_cli.ipynb #0132e515-s2
 def kebab_options(p:argparse.ArgumentParser)->argparse.ArgumentParser:
     "`p` with every `--snake_case` option also taking the spelling `--kebab-case`: one argument, two option strings."
@@ -74,15 +149,32 @@ def _entry_point(frame)->bool:
     return Path(g['__file__']).resolve() == Path(frame.f_code.co_filename).resolve()
 
 # %% ../nbs/09_cli.ipynb #0132e515-s4
-def command(func):
-    "`fastcore.script.call_parse` with both spellings of every option: run as a console script it parses `sys.argv`; called, it is `func`."
+def command(func=None, *, records:bool=False):
+    "`fastcore.script.call_parse` with both spellings of every option: run as a console script it is `console(func)`; called, it is `func`. `records`: it records to its OUT argument."
+    if func is None: return functools.partial(command, records=records)
     @functools.wraps(func)
     def run(*args, **kwargs):
         if args or kwargs or not _entry_point(inspect.currentframe().f_back): return func(*args, **kwargs)
-        ns = vars(kebab_options(anno_parser(func)).parse_args())
-        for k in ('pdb', 'xtra'): ns.pop(k, None)      # fastcore's hidden debugging options
-        return func(**ns)
+        try: return console(run)
+        finally: _install(signal.SIG_IGN)   # the command is over: in Python's teardown a signal gets its default action back, and would kill the exit
+    run.records = records
     return run
+
+# %% ../nbs/09_cli.ipynb #0132e515-s6
+def console(cmd, # a `command`
+            argv:list=None, # its arguments (default: `sys.argv[1:]`)
+           ):
+    "Run `cmd` as its console script: parse `argv`, run it, and end a SIGINT or SIGTERM, wherever it comes, with one line and exit 130 / 143."
+    func, out = cmd.__wrapped__, None
+    prog = func.__name__.replace('_', '-')
+    try:
+        ns = vars(kebab_options(anno_parser(func, prog=prog)).parse_args(argv))
+        for k in ('pdb', 'xtra'): ns.pop(k, None)      # fastcore's hidden debugging options
+        if cmd.records: out = ns['out']
+        with stop_signals(): res = func(**ns)
+        if _STATE.signum is not None: raise Interrupted(_STATE.signum)   # one that code under it caught and dropped
+        return res
+    except (Interrupted, KeyboardInterrupt) as e: raise _stopped(prog, out, e) from None
 
 # %% ../nbs/09_cli.ipynb #617c831f
 PROBE_MAX_BATCH = dict(mnist=5000, minilm=8, transformer=4096)
@@ -91,12 +183,13 @@ PROBE_WHY = dict(mnist="images of the offline MNIST subset", minilm="the example
 @command
 def opscope_probe(model:str='mnist', # mnist, minilm or transformer
                   dump:str=None, # also save the probed tensors to this .safetensors file
-                  batch:int=64, # activation batch: images, sentences (minilm: at most 8) or tokens/8 sequences
+                  batch:int=64, # activation batch: images (mnist: 1 to 5,000), sentences (minilm: 1 to 8) or tokens/8 sequences (transformer: 1 to 4,096)
                   sweep:str=None, # instead: a sweep's sketches (from opscope-sweep); dump and probe its deep-dump pointers
-                  seed:int=0, # with --sweep: the sweep's --seed
+                  seed:int=0, # with --sweep: the sweep's --seed (0 to 4,294,867,295)
                  ):
     "Probe a model's weights and activations (effective rank, rank at 99% energy, 2:4, int8/int4 SQNR, distinct values), or close a sweep's deep-dump pointers."
     with cli_errors('opscope-probe'):
+        in_range('--seed', seed, 0, SEED_MAX - SWEEP_MAX_STEPS, "the sweep's seeds")
         if sweep: return _probe_sweep(sweep, seed)
         if model not in PROBE_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(PROBE_MODELS)}")
         in_range('--batch', batch, 1, PROBE_MAX_BATCH[model], PROBE_WHY[model])
@@ -112,6 +205,9 @@ def _probe_sweep(path, seed):
     "Each deep-dump pointer of the sweep at `path`, confirmed as low-rank or retracted, one line each."
     sk = read_sketches(path)
     found = mine(sk)
+    runs = pd.Series(found.loc[found.exploit == 'deep-dump', 'run_id'].astype(str).unique(), dtype=str)
+    shapes = runs.str.extract(r'-(?P<M>\d+)x(?P<K>\d+)x(?P<N>\d+)$').set_axis([f"run {r!r}" for r in runs]).dropna()
+    check_gemm_memory(shapes, f"{path}: dumping")     # each pointed run is drawn again at its shape
     closed = confirm_low_rank(found, sweep_ranks(found, seed), sk[KEYS].drop_duplicates())
     lr, back = closed[closed.exploit == 'low-rank'], closed.attrs['retracted']
     lines = [(r.run_id, r.site, r.role, 'low-rank', r.detail) for r in lr.itertuples()]
@@ -127,10 +223,10 @@ SHAPES_MAX_BATCH = 4096
 @command
 def opscope_shapes(model:Param(f"{', '.join(model_names('shapes'))}, or a torchvision classifier (resnet50, vit_b_16, ...)",
                                str, opt=False, nargs='?')='transformer',
-                   batch:int=1, # batch size
-                   top:int=10, # how many ops and GEMM shapes to list
-                   peak_flops:float=None, # FLOP/s of the target machine (default: measured here)
-                   bandwidth:float=None, # bytes/s of the target machine (default: measured here)
+                   batch:int=1, # batch size (1 to 4,096)
+                   top:int=10, # how many ops and GEMM shapes to list (at least 1)
+                   peak_flops:float=None, # FLOP/s of the target machine, a positive number (default: measured here)
+                   bandwidth:float=None, # bytes/s of the target machine, a positive number (default: measured here)
                   ):
     "Per-op FLOPs, bytes and intensity of a model, its roofline on this machine, and its hot GEMM shapes."
     with cli_errors('opscope-shapes'):
@@ -151,18 +247,27 @@ def _probe_writable(folder:Path):
     except OSError as e: raise CliError(f"{folder}: cannot write there ({e.strerror or e})") from None
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s1
+def _temp_files(p:Path)->list:
+    "opscope's own temporary files of OUT that a killed run left beside it: `tables.atomic_write`'s hidden `.NAME.XXXXXXXX.SUFFIX` (the final Parquet combine writes one)."
+    if not p.suffix or not p.parent.is_dir(): return []
+    name = re.compile(rf'\.{re.escape(p.name)}\.[a-z0-9_]{{8}}{re.escape(p.suffix)}')
+    return sorted(q for q in p.parent.iterdir() if name.fullmatch(q.name) and q.is_file())
+
 def _leftovers(p:Path)->list:
-    "What an earlier recording left at `p`: the file or dataset, its parts folder, its commit log."
+    "What an earlier recording left at `p`: the file or dataset, its parts folder, its commit log, a killed run's temporary files."
     extra = [p.with_name(p.name + s) for s in ('.parts', COMMIT_SUFFIX)]
-    return [q for q in [p] + extra if q.exists() and not (q.is_dir() and not any(q.iterdir()))]
+    return [q for q in [p] + extra if q.exists() and not (q.is_dir() and not any(q.iterdir()))] + _temp_files(p)
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s2
 def check_recording_out(out:str, # the recording CLI's OUT argument
                         force:bool=False, # replace what is there instead of refusing
                        )->tuple:
-    "`(path, is_dataset)` for a recording's OUT, refused up front when it cannot be written or (without `force`) already exists."
-    p = Path(out)
-    dataset = out.endswith(('/', os.sep)) or p.suffix == '' or p.is_dir()
+    "`(path, is_dataset)` for a recording's OUT, refused up front when it cannot be written, is a folder named like a file, or (without `force`) already exists."
+    p, slash = Path(out), out.endswith(('/', os.sep))
+    if p.suffix.lower() in RECORDING_SUFFIXES and (slash or p.is_dir()):
+        raise CliError(f"{out}: a {p.suffix.lower()} OUT is a file, but {'the path ends in /' if slash else 'a folder has that name'}; "
+                       "a dataset directory has no extension")
+    dataset = slash or p.suffix == '' or p.is_dir()
     if not dataset and p.suffix.lower() not in RECORDING_SUFFIXES:
         raise CliError(f"{out}: output must be a .csv or .parquet file, or a dataset directory (a trailing / or no extension)")
     parent = p.parent if p.parent != Path('') else Path('.')
@@ -178,40 +283,46 @@ def check_recording_out(out:str, # the recording CLI's OUT argument
     return p, dataset
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s3
-class _Terminated(BaseException):
-    "SIGTERM, raised in the main thread so the recording closes like on Ctrl-C."
+class _Stepwise(Recorder):
+    "A `Recorder` whose step writes signals wait for: each is a commit, never cut in two."
+    def write(self, df):
+        with signals_wait(): return super().write(df)
 
-# %% ../nbs/09_cli.ipynb #2b37da4e-s4
-def _on_sigterm(signum, frame): raise _Terminated()
+def _close(rec:Recorder, out:str):
+    "Close `rec` with signals waiting (closing is the commit), noting what OUT kept: its steps, and where — OUT, or the parts folder when a signal stopped the final combine."
+    armed, _STATE.armed = _STATE.armed, False
+    try: rec.close(); where = out
+    except Interrupted: where = f"{rec.parts} (a signal stopped combining them into {out}; opscope-mine {out} reads them)"
+    finally: _STATE.armed = armed
+    _STATE.kept = (rec.steps, where)
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s5
 @contextlib.contextmanager
 def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
               prog:str, # the command's name, for the interrupt message
-              force:bool=False, # replace an existing OUT
+              force:bool=False, # replace an existing OUT (and remove a killed run's temporary files)
              ):
-    "A `Recorder` streaming into OUT (checked first): Ctrl-C or SIGTERM closes it, keeping every finished step, and exits with one line."
+    "A `Recorder` streaming into OUT (checked first): a signal closes it, keeping every finished step, and ends the command with one line and exit 130 / 143."
     p, dataset = check_recording_out(out, force)
-    rec = Recorder(p, dataset=dataset)
-    old = signal.signal(signal.SIGTERM, _on_sigterm)
-    try: yield rec
-    except OSError as e:                         # a full disk mid-run: say where
-        if e.filename is None: raise OSError(e.errno, e.strerror, str(out)) from None
-        raise
-    except (KeyboardInterrupt, _Terminated) as e:
-        rec.close()
-        print(f"{prog}: interrupted: kept {rec.steps} finished step{'s' * (rec.steps != 1)} in {out}", file=sys.stderr)
-        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143) from None
-    finally:
-        rec.close()
-        signal.signal(signal.SIGTERM, old)
+    if force:
+        for q in _temp_files(p): q.unlink(missing_ok=True)
+    rec = _Stepwise(p, dataset=dataset)
+    with stop_signals():
+        try: yield rec
+        except OSError as e:                         # a full disk mid-run: say where
+            if e.filename is None: raise OSError(e.errno, e.strerror, str(out)) from None
+            raise
+        except (KeyboardInterrupt, Interrupted) as e: _STATE.signum = _STATE.signum or getattr(e, 'signum', signal.SIGINT)
+        finally: _close(rec, out)
+        if _STATE.signum is not None: raise _stopped(prog, out)
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s6
 def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_write`
                     suffix:str='.csv', # the extension it must have
                    )->Path:
-    "OUT for a findings or plan table, refused up front when it has the wrong extension or its folder cannot be written."
+    "OUT for a findings or plan table, refused up front when it has the wrong extension, is a folder (or ends in /) or its folder cannot be written."
     p = Path(out)
+    if str(out).endswith(('/', os.sep)): raise CliError(f"{out}: a {suffix} file's path cannot end in /")
     if p.suffix.lower() != suffix: raise CliError(f"{out}: --out must be a {suffix} file")
     parent = p.parent if p.parent != Path('') else Path('.')
     if not parent.is_dir(): raise CliError(f"{out}: folder {parent} does not exist")
@@ -239,11 +350,40 @@ def positive(name:str, value:float, why:str='')->float:
 SEED_MAX = 2**32 - 1          # numpy's and torch's generators both take it
 SWEEP_MAX_STEPS = 100_000     # 2.8 M calls: days of work, so a typo, not a plan
 
+# %% ../nbs/09_cli.ipynb #2b37da4e-sa
+def machine_memory()->int:
+    "This machine's physical memory in bytes (0 where the OS does not say)."
+    try: return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (AttributeError, ValueError, OSError): return 0
+
+def fits_memory(need:float, # bytes the work will hold at once (an estimate)
+                what:str, # what needs them, for the message
+               )->float:
+    "`need`, or a `CliError` stating the estimate when it exceeds this machine's memory: refused before anything is allocated."
+    have, gib = machine_memory(), lambda b: f"{b / 2**30:,.1f} GiB"
+    if have and need > have: raise CliError(f"{what} needs about {gib(need)} of memory, more than this machine's {gib(have)}")
+    return need
+
+# %% ../nbs/09_cli.ipynb #2b37da4e-sb
+def gemm_memory(M, K, N):
+    "Bytes to draw and time an M×K by K×N float32 matmul as `plan` and `probe` do: the lhs and the three M×K temporaries that draw it, the weight and a packed copy, the dense and the specialized outputs."
+    return 4. * (4 * M * K + 2 * K * N + 2 * M * N)
+
+def check_gemm_memory(shapes:pd.DataFrame, # columns M, K, N: one row per GEMM the work draws, its index naming it
+                      what:str, # what the work is, for the message
+                     ):
+    "Refuse, with the estimate, work whose largest GEMM would not fit in this machine's memory, before anything is allocated."
+    if not len(shapes): return
+    t = shapes[['M', 'K', 'N']].astype(float)                 # no int64 overflow on the products
+    need = gemm_memory(t.M, t.K, t.N).to_numpy()
+    i = int(np.argmax(need)); M, K, N = t.iloc[i]
+    fits_memory(need[i], f"{what} {t.index[i]} (M={M:,.0f}, K={K:,.0f}, N={N:,.0f})")
+
 # %% ../nbs/09_cli.ipynb #2b37da4e-s9
-@command
+@command(records=True)
 def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory (trailing / or no extension)
-                  steps:int=4, # calls per (shape, distribution) run
-                  seed:int=0, # value seed
+                  steps:int=4, # calls per (shape, distribution) run (1 to 100,000)
+                  seed:int=0, # value seed (0 to 4,294,867,295)
                   quiet:bool=False, # no progress bar
                   force:bool=False, # replace an existing OUT
                  ):
@@ -337,20 +477,20 @@ def _record_zoo(cmd, name, what, n, lo, hi, why, seed, out, force):
         record_to(out, lambda: zm.workload(n, seed), name, zm.dist, cmd, force)
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c-s2
-@command
+@command(records=True)
 def opscope_seq(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
-                steps:Param('calls: one prefill, then decode calls', int, opt=False, nargs='?')=16,
-                seed:int=0, # the token stream's seed
+                steps:Param('calls: one prefill, then decode calls (2 to 20,000)', int, opt=False, nargs='?')=16,
+                seed:int=0, # the token stream's seed (0 to 4,294,967,295)
                 force:bool=False, # replace an existing OUT
                ):
     "Record a decode-like stepped run of the causal zoo transformer to OUT."
     _record_zoo('opscope-seq', 'seq', 'STEPS', steps, 2, SEQ_MAX_STEPS, "a prefill and decode calls; the token stream is built in memory", seed, out, force)
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c-s3
-@command
+@command(records=True)
 def opscope_mnist(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
-                  batches:Param('batches of 64 real MNIST images', int, opt=False, nargs='?')=12,
-                  seed:int=0, # the shuffle's seed
+                  batches:Param('batches of 64 real MNIST images (1 to 937)', int, opt=False, nargs='?')=12,
+                  seed:int=0, # the shuffle's seed (0 to 4,294,967,295)
                   force:bool=False, # replace an existing OUT
                  ):
     "Record the MNIST MLP on real MNIST pixels to OUT."
@@ -365,8 +505,8 @@ def _print_df(df, empty:str):
 
 # %% ../nbs/09_cli.ipynb #bd0de43e-s1
 @command
-def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int, opt=False, nargs='?')=6,
-                   max_len:int=4, # longest chain counted, in ops
+def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack (1 to 256)", int, opt=False, nargs='?')=6,
+                   max_len:int=4, # longest chain counted, in ops (1 to 64)
                   ):
     "Recurring op chains (motif, length, count) of the zoo MLP stack."
     with cli_errors('opscope-motifs'):
@@ -378,9 +518,9 @@ def opscope_motifs(layers:Param("Linear + ReLU layers in the zoo MLP stack", int
 
 # %% ../nbs/09_cli.ipynb #bd0de43e-s2
 @command
-def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='?')=6,
+def opscope_flow(layers:Param("layers of the zoo model (1 to 256)", int, opt=False, nargs='?')=6,
                  model:Param("which zoo model", str, opt=False, nargs='?', choices=list(model_names('flow')))='transformer',
-                 depth:int=64, # blocks longer than this are split into single-use trees
+                 depth:int=64, # blocks longer than this are split into single-use trees (at least 1)
                 ):
     "Repeated dataflow blocks of a zoo model, each with its count, size, op types and fusion label."
     with cli_errors('opscope-flow'):
@@ -393,8 +533,8 @@ def opscope_flow(layers:Param("layers of the zoo model", int, opt=False, nargs='
 # %% ../nbs/09_cli.ipynb #bd0de43e-s3
 @command
 def opscope_graph(file:str, # a graph file: .txt/.edges/.el edge list, .onnx, or .pt2 (torch.export)
-                  max_len:int=4, # longest op chain counted
-                  top:int=10, # how many op chains to print
+                  max_len:int=4, # longest op chain counted (1 to 64)
+                  top:int=10, # how many op chains to print (at least 1)
                  ):
     "Repeated dataflow blocks and the most frequent op chains of a graph from any workspace."
     with cli_errors('opscope-graph'):
@@ -437,7 +577,7 @@ def _plan_exploits(exploits, planned):
 @command
 def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / opscope-sweep
                  out:str=None, # also write the plan table here (.csv)
-                 seed:int=0, # seed of the benchmark data drawn to match each sketch
+                 seed:int=0, # seed of the benchmark data drawn to match each sketch (0 to 4,294,967,295)
                  exploits:str=None, # plan only these (comma list; default: every registered exploit with a kernel)
                 ):
     "Plan specialized kernels for a sketches file: guard, its stability, estimated and measured speedup."
@@ -449,6 +589,8 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
             warnings.simplefilter('always')
             sketches = read_sketches(inp)
         for w in caught: print(f"opscope-plan: warning: {w.message}", file=sys.stderr)
+        shapes = sketches.groupby(['run_id', 'site'], observed=True)[['M', 'K', 'N']].max()
+        check_gemm_memory(shapes.set_axis([f"site {s!r} of run {r!r}" for r, s in shapes.index]), f"{inp}: planning")
         plans = plan(sketches, seed=seed, exploits=names)
         print(format_plan(plans))
         if out is not None:
@@ -457,6 +599,8 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
 
 # %% ../nbs/09_cli.ipynb #667a11d5
 INFER_MAX_STEPS = 256
+MAX_NEW_TOKENS = 4096      # a generated token is a recorded forward step, and the cache and mask are sized for all of them up front
+NEW_TOKENS_WHY = "each is a recorded forward step; the cache and mask are sized for all of them up front"
 
 def _infer_report(found)->str:
     "Aligned lines: run, site, exploit, detail — one per attention / routing finding."
@@ -466,20 +610,21 @@ def _infer_report(found)->str:
     return '\n'.join('  '.join(c.ljust(w[i]) for i, c in enumerate(r[:3])) + '  ' + r[3] for r in rows)
 
 # %% ../nbs/09_cli.ipynb #667a11d5-s1
-@command
+@command(records=True)
 def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory
                   model:str=None, # transformer, moe or minilm (default: all three), or FILE.py:FACTORY
-                  steps:int=2, # batches per model
+                  steps:int=2, # batches per model (1 to 256)
                   force:bool=False, # replace an existing OUT
                   hf:str=None, # a local Hugging Face folder instead (with --prompts); --model may also be FILE.py:FACTORY
                   prompts:str=None, # with --hf: a text file, one prompt per line
-                  max_new_tokens:int=8, # with --hf and a decoder: tokens generated
+                  max_new_tokens:int=8, # with --hf and a decoder: tokens generated (1 to 4,096)
                  ):
     "Record attention and routing dynamics of the zoo transformer and MoE and the real MiniLM to OUT; print the findings."
-    if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens, force)
     with cli_errors('opscope-infer'):
-        if model is not None and model not in INFER_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(INFER_MODELS)}")
         in_range('--steps', steps, 1, INFER_MAX_STEPS, "every row is kept in memory to mine at the end")
+        in_range('--max-new-tokens', max_new_tokens, 1, MAX_NEW_TOKENS, NEW_TOKENS_WHY)
+        if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens, force)
+        if model is not None and model not in INFER_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(INFER_MODELS)}")
         check_recording_out(out, force)
         names = [model] if model else list(INFER_MODELS)
         work = [(n, *infer_workload(n, steps)) for n in names]      # bad names / missing packages fail before any file
@@ -496,14 +641,20 @@ def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or 
         print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))
 
 # %% ../nbs/09_cli.ipynb #c11bench2
+BENCH_MAX_ROWS = 10**8    # ten times the goal size
+BENCH_ROW_BYTES = 1024    # the tiled table and the miner's working set, per row: under 700 B measured at 2·10^5 and 10^6 rows
+
 @command
 def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torch.compile, mines 10^7 rows) instead of the small ones
                   out:str=None, # also save every table to this CSV (read back with `opscope.bench.load_report`)
-                  miner_rows:int=None, # rows for the miner throughput (default 10^7 with --full, 3·10^4 without)
+                  miner_rows:int=None, # rows for the miner throughput (1 to 100,000,000, and what fits in memory at ~1 KiB a row; default 10^7 with --full, 3·10^4 without)
                   compile:bool=False, # also compile at the small size (always with --full)
                  ):
     "Run the benchmark page's measurements; print every table and the goals, met or missed."
     with cli_errors('opscope-bench'):
+        if miner_rows is not None: in_range('--miner_rows', miner_rows, 1, BENCH_MAX_ROWS, "ten times the goal size")
+        rows = miner_rows or (10**7 if full else 3 * 10**4)
+        fits_memory(rows * BENCH_ROW_BYTES, f"mining {rows:,} rows (about {BENCH_ROW_BYTES:,} bytes a row)")
         if out: p = check_whole_out(out)
         rep = bench_report(full=full, miner_rows=miner_rows, compile=True if full or compile else False)
         for k, t in rep.items(): print(f"{k}:\n{t.round(3).to_string(index=False)}\n", flush=True)
@@ -518,7 +669,6 @@ def _user_job(model, hf, prompts, max_new_tokens, keep):
     if (model is None) == (hf is None): raise CliError("give one of --model FILE.py:FACTORY or --hf DIR")
     if hf is not None:
         if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
-        if max_new_tokens < 1: raise CliError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
         texts, loaded = read_prompts(prompts), load_hf(hf)      # loaded once, before OUT is touched
         return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens, loaded=loaded, keep=keep)
     m, batches = load_factory(model)
@@ -532,16 +682,17 @@ def _counts(r)->str:
     return f"{rows:,} rows: {steps} steps × {sites} sites"
 
 # %% ../nbs/09_cli.ipynb #f374fc4b-s2
-@command
+@command(records=True)
 def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a dataset directory
                    model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
                    hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
                    prompts:str=None, # with --hf: a text file, one prompt per line
-                   max_new_tokens:int=8, # with --hf and a decoder: tokens generated (one recorded step each)
+                   max_new_tokens:int=8, # with --hf and a decoder: tokens generated, one recorded step each (1 to 4,096)
                    force:bool=False, # replace an existing OUT
                   ):
     "Record a user's model to OUT: a factory's batches, or a local Hugging Face model on prompts (decoders through generate)."
     with cli_errors('opscope-record'):
+        in_range('--max-new-tokens', max_new_tokens, 1, MAX_NEW_TOKENS, NEW_TOKENS_WHY)
         check_recording_out(out, force)              # before the model is loaded
         name, run = _user_job(model, hf, prompts, max_new_tokens, keep=False)
         with recording(out, 'opscope-record', force) as rec: r = run(rec)
@@ -550,15 +701,14 @@ def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a datase
 # %% ../nbs/09_cli.ipynb #f374fc4b-s3
 def _infer_user(out, model, hf, prompts, max_new_tokens, force):
     "`opscope-infer` on a user's model: record it to OUT and print the attention and routing findings."
-    with cli_errors('opscope-infer'):
-        check_recording_out(out, force)
-        name, run = _user_job(model, hf, prompts, max_new_tokens, keep=True)
-        with recording(out, 'opscope-infer', force) as rec: df = run(rec)
-        roles = df.drop_duplicates(['site', 'role']).role.value_counts()
-        print(f"{name}: {df.step.nunique()} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
-              f"{roles.get('gate', 0)} top-k), {len(df):,} rows → {out}\n")
-        found = mine(df)
-        print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))
+    check_recording_out(out, force)
+    name, run = _user_job(model, hf, prompts, max_new_tokens, keep=True)
+    with recording(out, 'opscope-infer', force) as rec: df = run(rec)
+    roles = df.drop_duplicates(['site', 'role']).role.value_counts()
+    print(f"{name}: {df.step.nunique()} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "
+          f"{roles.get('gate', 0)} top-k), {len(df):,} rows → {out}\n")
+    found = mine(df)
+    print(_infer_report(found[found.exploit.isin(INFER_EXPLOITS)]))
 
 # %% ../nbs/09_cli.ipynb #472a0b90
 SPECIALIZE_MAX_BATCH = 256   # prompts per batch: more is a typo (the calibration captures every layer's input)
@@ -585,17 +735,18 @@ def opscope_specialize(model:str=None, # FILE.py:FACTORY, FACTORY returning (mod
                        hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
                        prompts:str=None, # with --hf: calibration prompts, one per line
                        holdout:str=None, # with --hf: held-out prompts, one per line (default: the last third of --prompts)
-                       tolerance:float=None, # encoder: smallest embedding cosine (default 0.995); decoder: share of greedy answers equal to the original's (default: whole-model bf16's)
-                       max_new_tokens:int=24, # decoder: new tokens per held-out prompt
-                       batch:int=4, # with --hf: prompts per batch
-                       threads:int=1, # torch threads for the end-to-end timing
+                       tolerance:float=None, # encoder: smallest embedding cosine (default 0.995); decoder: share of greedy answers equal to the original's (default: whole-model bf16's); 0 to 1
+                       max_new_tokens:int=24, # decoder: new tokens per held-out prompt (1 to 4,096)
+                       batch:int=4, # with --hf: prompts per batch (1 to 256)
+                       threads:int=1, # torch threads for the end-to-end timing (1 to this machine's CPU count)
                        out:str=None, # also write the report here (.csv)
                       ):
     "Specialize a user's model end to end — record, mine, measure every kernel per layer, apply, check on held-out inputs — and print what was chosen, the speedup and the error."
     with cli_errors('opscope-specialize'):
+        if tolerance is not None: in_range('--tolerance', tolerance, 0, 1, "a cosine or a share of equal answers")
+        in_range('--max-new-tokens', max_new_tokens, 1, MAX_NEW_TOKENS, NEW_TOKENS_WHY); in_range('--batch', batch, 1, SPECIALIZE_MAX_BATCH)
+        in_range('--threads', threads, 1, os.cpu_count() or 1, "this machine's CPUs")
         if out is not None: check_whole_out(out)
-        in_range('--max_new_tokens', max_new_tokens, 1, 4096); in_range('--batch', batch, 1, SPECIALIZE_MAX_BATCH)
-        in_range('--threads', threads, 1, os.cpu_count() or 1)
         m, calib, held = _specialize_inputs(model, hf, prompts, holdout, batch)
         res = specialize_model(m, calib, holdout=held, tolerance=tolerance, max_new_tokens=max_new_tokens, threads=threads, progress=True)
         print(format_report(res))

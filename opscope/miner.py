@@ -9,7 +9,6 @@ import pandas as pd
 from .tables import InputError, MINE_COLS, require_columns, as_strings, read_sketches
 from functools import partial
 from .exploits import (REGISTRY, Exploit, Rule, register, rules, guard_dead, guard_density, guard_crest,
-                              kernel_dead, kernel_sparse, kernel_int8, kernel_lowrank, kernel_prepack,
                               cost_dead, cost_sparse, cost_int8, cost_lowrank, cost_prepack, cost_pack,
                               evidence_dead, evidence_sparse, evidence_int8, evidence_lowrank, evidence_prepack, arg_dead, arg_rank)
 
@@ -572,9 +571,9 @@ register(Exploit('nonfinite', (Rule('steps', rule_nonfinite),), 'no kernel: NaN/
 register(Exploit('constant', (Rule('steps', rule_constant),), 'fold it: the result is known'))
 register(Exploit('sparse-gemm', (Rule('features', rule_sparse),), 'CSR lhs: skip the zeros', evidence=evidence_sparse,
                  guard=partial(guard_density, cap=SPARSE_DENSITY_MAX), guard_stat='density',
-                 kernel=kernel_sparse, cost=cost_sparse, plan_order=1))
+                 kernel='kernel_sparse', cost=cost_sparse, plan_order=1))
 register(Exploit('dead-channels', (Rule('rows', rule_dead_channels),), 'drop the always-zero K-columns (exact slice)',
-                 evidence=evidence_dead, guard=guard_dead, guard_stat='chan_absmax', kernel=kernel_dead, cost=cost_dead,
+                 evidence=evidence_dead, guard=guard_dead, guard_stat='chan_absmax', kernel='kernel_dead', cost=cost_dead,
                  kernel_arg=arg_dead, plan_order=0))
 register(Exploit('channel-outliers', (Rule('rows', rule_outlier_channels),), 'outlier split / mixed precision'))
 register(Exploit('spiky', (Rule('features', rule_spiky),), 'clip / outlier-aware scales'))
@@ -593,14 +592,14 @@ register(Exploit('deep-dump', (Rule('features', rule_deep_dump),), 'dump the tap
 # %% ../nbs/03_miner.ipynb #5ba8a32e
 INT8_MAX_CREST = crest_at_sqnr(INT8_MIN_SQNR_DB, 8)   # est. SQNR falls to INT8_MIN_SQNR_DB here: the int8 guard's cap
 register(Exploit('low-rank', (), 'rank-r factors of the weight (found by the probe: `confirm_low_rank`)',
-                 evidence=evidence_lowrank, kernel=kernel_lowrank, cost=cost_lowrank, kernel_arg=arg_rank, plan_order=3))
+                 evidence=evidence_lowrank, kernel='kernel_lowrank', cost=cost_lowrank, kernel_arg=arg_rank, plan_order=3))
 register(Exploit('stationary', (Rule('cross', rule_stationary),), 'precompute / prepack what depends on it only'))
 register(Exploit('int8', (Rule('features', rule_quant),), 'int8 GEMM: per-row lhs × per-channel weight',
                  evidence=evidence_int8, guard=partial(guard_crest, cap=INT8_MAX_CREST), guard_stat='crest',
-                 kernel=kernel_int8, cost=cost_int8, plan_order=2))
+                 kernel='kernel_int8', cost=cost_int8, plan_order=2))
 register(Exploit('int4', (Rule('features', rule_quant),), 'int4 per-tensor'))
 register(Exploit('prepack', (), 'store wᵀ contiguous once, not per call (a stationary weight)', finds=False,
-                 evidence=evidence_prepack, kernel=kernel_prepack, cost=cost_prepack, dense_extra=cost_pack, plan_order=4))
+                 evidence=evidence_prepack, kernel='kernel_prepack', cost=cost_prepack, dense_extra=cost_pack, plan_order=4))
 
 EXPLOITS = tuple(n for n, e in REGISTRY.items() if e.finds)   # the findings' vocabulary, in reading order
 INFER_EXPLOITS = tuple(n for n, e in REGISTRY.items() if set(e.roles) <= {'attn', 'gate'})   # softmax / top-k findings

@@ -416,7 +416,7 @@ def from_arrays(cls:HyperLogLog, d:dict)->HyperLogLog:
 # %% ../nbs/08_online.ipynb #7eb97d81
 class OnlineRecorder:
     "Run `gm` on most steps and its injected twin on a seeded 1-in-`every` sample, folding stats into bounded sketches off the critical path."
-    def __init__(self, gm, # the un-injected graph (`opscope.inject.trace`)
+    def __init__(self, gm, # the un-injected graph (`opscope.sites.trace`)
                  injected=None, # its `inject_matmul_stats(gm)`; built here when None
                  every:int=10, # sample one step in `every` on average
                  seed:int=0, # fixes which steps are sampled and the reservoirs

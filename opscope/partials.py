@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from . import miner as _m
+from .tables import as_strings
 from .exploits import rules
 
 
 # %% auto #0
 __all__ = ['G', 'INFER_ROLES', 'SCALARS', 'finite_steps', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios',
-           'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'infer_table', 'findings_from_tables']
+           'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'tap_matrix', 'valued_steps', 'stationary_taps',
+           'tap_coherence', 'infer_table', 'findings_from_tables']
 
 # %% ../nbs/03b_partials.ipynb #d0589b83
 G = _m.KEYS + ['step']          # one (tap, step) group
@@ -94,6 +96,35 @@ def read_parts(files, # part files of one hive-partitioned dataset, holding whol
     part = ds.partitioning(pa.schema(list(types.items())), flavor='hive') if types else None
     return ds.dataset([str(f) for f in files], format='parquet', partitioning=part, partition_base_dir=str(base)).to_table().to_pandas()
 
+# %% ../nbs/03b_partials.ipynb #c705e1a1
+def tap_matrix(d:pd.DataFrame, # usual-step `chan_absmax` rows: `tap` (a row of `taps`), idx, step, value; each tap's rows all here
+               taps:pd.DataFrame, # the KEYS of each tap code
+              )->pd.DataFrame:
+    "`miner.step_matrix` — (tap, channel) × step `chan_absmax` — of the taps whose rows `d` holds."
+    d = pd.concat([taps.iloc[d.tap.to_numpy()].reset_index(drop=True), d[['step', 'idx', 'value']].reset_index(drop=True)], axis=1)
+    d = d.sort_values('step', kind='stable').assign(stat='chan_absmax')   # a channel's steps in order, as every engine numbers them
+    return _m.step_matrix(d, 'chan_absmax', d[G].drop_duplicates())
+
+def valued_steps(mats)->list:
+    "The step columns holding a value in any of the matrices `mats`: the columns of the whole run's matrix."
+    return sorted(set().union(*(m.columns for m in mats)))
+
+# %% ../nbs/03b_partials.ipynb #c705e1a1-s1
+def stationary_taps(rng:pd.DataFrame, # min, max, count, size of each (tap, stat, channel) over the tap's usual steps
+                   )->pd.Series:
+    "Per tap, whether every statistic is `miner.stationary` across its usual steps."
+    rng = as_strings(rng.reset_index(), _m.KEYS).set_index(_m.KEYS)
+    return _m.stationary(rng).groupby(level=_m.KEYS, observed=True).all()
+
+def tap_coherence(w:pd.DataFrame, # `tap_matrix` of some taps
+                  cols:list, # `valued_steps` of all the taps' matrices
+                  stationary:pd.Series, steps:pd.Series, # per tap (all taps), as `miner.cross_table` takes them
+                  seed:int=0, # seeds the shuffles, as `miner.cross_step`'s
+                 )->pd.DataFrame:
+    "`miner.cross_table`'s rows for the taps of `w`, its columns widened to the whole run's `cols`."
+    s = stationary[stationary.index.isin(w.index.droplevel('idx'))]
+    return _m.cross_table(s, steps.reindex(s.index), w.reindex(columns=cols), seed)
+
 # %% ../nbs/03b_partials.ipynb #45e15339
 def infer_table(sums:pd.DataFrame, # KEYS + stat, idx, value: attn/gate stats (not head_mass) summed over steps
                 head:pd.DataFrame, # KEYS + h, key, value: `head_keys` summed over steps
@@ -113,7 +144,7 @@ def findings_from_tables(features, # `miner.tap_features`' table (None: no matmu
                          dead, # KEYS + idx, value: max chan_density per channel over steps
                          share, # KEYS + idx, share, value: `miner._outlier_share`'s table
                          infer, # `infer_table`'s rows
-                         cross, # (stationary, usual-step counts, (tap, idx) × step chan_absmax matrix), or None
+                         cross, # (stationary, usual-step counts, (tap, idx) × step chan_absmax matrix), `miner.cross_table`'s frame itself, or None
                          steps=None, # `miner.step_table` of the sketches (NaN/Inf and constant findings), or None
                          probs=None, # `numel` rows of `attn` and `lhs` taps (`miner.drop_masked`: masked probabilities are not structure), or None
                          seed:int=0, # seeds `miner.cross_step`'s shuffles
@@ -123,7 +154,7 @@ def findings_from_tables(features, # `miner.tap_features`' table (None: no matmu
     parts += [r(infer) for r in rules('rows') if r not in (_m.rule_dead_channels, _m.rule_outlier_channels)]
     cs = None
     if features is not None:
-        cs = _m.cross_table(*cross, seed)
+        cs = cross if isinstance(cross, pd.DataFrame) else _m.cross_table(*cross, seed)
         parts = [r(features) for r in rules('features')] + parts + [r(cs) for r in rules('cross')]
     out = _m.collect_findings(parts, cs, steps)
     return out if probs is None else _m.drop_masked(out, probs)

@@ -14,10 +14,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from .exploits import REGISTRY, Kernel, SiteEvidence, FINITE_GUARD, DENSITY_MARGIN, GUARD_GRID, CREST_MARGIN, planned
+from .exploits import REGISTRY, Kernel, SiteEvidence, FINITE_GUARD, planned
+from . import kernels   # the builders a record names
 from .miner import crest_nz, mine, stationary, step_table, drop_nonfinite_steps, CROSS_STATS, INT8_MAX_CREST
 from .tables import InputError, MissingError
-from .inject import matmul_sites
+from .sites import matmul_sites
 from .probe import rank_at_energy, dump_sites
 from .shapes import op_costs, roofline, measure_machine
 
@@ -25,9 +26,9 @@ from .shapes import op_costs, roofline, measure_machine
 # %% auto #0
 __all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'GUARD_STAT', 'BENCH_BLOCK_S', 'BENCH_ROUNDS', 'PLAN_COLUMNS',
            'NOT_WORTH_IT', 'TEXT_COLUMNS', 'LOSSY_REL_TOL', 'parse_guard', 'format_guard', 'guard_holds',
-           'sketch_values', 'live_values', 'synthesize_guard', 'make_kernel', 'est_speedup', 'ab_bench', 'draw_like',
-           'stationary_taps', 'format_channels', 'parse_channels', 'plan', 'GuardedLinear', 'choose', 'specialize',
-           'check_specialized', 'format_plan']
+           'sketch_values', 'live_values', 'synthesize_guard', 'builder', 'make_kernel', 'est_speedup', 'ab_bench',
+           'draw_like', 'stationary_taps', 'format_channels', 'parse_channels', 'plan', 'GuardedLinear', 'choose',
+           'specialize', 'check_specialized', 'format_plan']
 
 # %% ../nbs/07_plan.ipynb #e5875b62
 GUARD_STATS = ('density', 'absmax', 'rms', 'nan_count', 'inf_count', 'crest', 'chan_absmax', 'chan_density')
@@ -124,6 +125,13 @@ def synthesize_guard(exploit:str, # a registered exploit with a guard ('dead-cha
 GUARD_STAT = {n: e.guard_stat for n, e in REGISTRY.items() if e.guard is not None}   # the built-in guarded exploits (a view of REGISTRY)
 
 # %% ../nbs/07_plan.ipynb #9a8cd0f7
+def builder(e):
+    "A record's kernel builder: the function of `opscope.kernels` its `kernel` names (or the callable a user's record gives)."
+    if not isinstance(e.kernel, str): return e.kernel
+    fn = getattr(kernels, e.kernel, None)
+    if fn is None: raise InputError(f"exploit {e.name!r} names kernel {e.kernel!r}, which opscope.kernels does not define")
+    return fn
+
 def make_kernel(exploit:str, # a registered exploit with a kernel
                 w:torch.Tensor, # the weight, N × K
                 b:torch.Tensor=None, # the bias (N,) or None
@@ -132,7 +140,7 @@ def make_kernel(exploit:str, # a registered exploit with a kernel
     "The specialized kernel of `exploit`'s record, with its weight-side work done, its packed size and whether it is exact."
     e = REGISTRY.get(exploit)
     if e is None or e.kernel is None: raise InputError(f"no kernel for exploit {exploit!r}; opscope has {', '.join(planned())}")
-    return e.kernel(w, b, arg)
+    return builder(e)(w, b, arg)
 
 
 # %% ../nbs/07_plan.ipynb #8fa71882
@@ -275,7 +283,7 @@ def _plan_row(s, run, site, name, fields, shape, machine, seed):
     e, (M, K, N) = REGISTRY[name], shape
     x, w, b = draw_like(s, site, M, K, N, seed)
     w, ch = fields.get('weight', w), fields.get('channels', [])
-    k = e.kernel(w, b, fields.get('arg'))
+    k = builder(e)(w, b, fields.get('arg'))
     row = dict(run_id=run, site=site, exploit=name, role=fields.get('role', 'lhs'), stat=fields['stat'], value=fields['value'],
                M=M, K=K, N=N, channels=format_channels(ch), note=fields['note'], exact=k.exact, packed_bytes=k.packed_bytes,
                est_speedup=est_speedup(name, M, K, N, machine, **fields.get('cost_kw', {})))
@@ -298,7 +306,7 @@ def _plain(sketches):
 
 
 # %% ../nbs/07_plan.ipynb #d4e1f0a1
-EXPERT_SITE = re.compile(r'\.expert\d+$')   # `inject.expert_site`'s names: one expert of a grouped matmul
+EXPERT_SITE = re.compile(r'\.expert\d+$')   # `sites.expert_site`'s names: one expert of a grouped matmul
 
 def _not_linear(s, site):
     "Why the kernels here (a linear layer's, over an N×K weight) do not fit `site`, or None when they do."
@@ -421,7 +429,7 @@ def _check_row(r, w):
     return ch
 
 # %% ../nbs/07_plan.ipynb #9d91256f
-def specialize(gm:fx.GraphModule, # from `inject.trace`; left untouched
+def specialize(gm:fx.GraphModule, # from `sites.trace`; left untouched
                plans:pd.DataFrame, # rows of `plan` to apply, one per site (see `choose`)
               )->fx.GraphModule:
     "A new GraphModule whose planned sites check their guard on the live lhs and dispatch; `.guarded` maps site → `GuardedLinear`. Every row is checked against the graph and its weights first."

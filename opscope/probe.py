@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import torch
 from . import zoo
-from .inject import trace, matmul_sites
+from .sites import trace, matmul_sites
 from .tables import InputError, MissingError, atomic_write
 
 

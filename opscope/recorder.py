@@ -16,8 +16,13 @@ from .tables import InputError, MissingError, atomic_write, require_columns, as_
 from .tables import read_sketches, COMMIT_SUFFIX   # the reading half lives in tables (no torch: Dask workers mine with it), re-exported here
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
-from .inject import trace, inject_matmul_stats, inject_infer_stats, compile_injected, gate, STATS, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, SDPA_RTOL, SDPA_ATOL, same_outputs, attn_sketch, sketch_rows, pack, sketch_node, sketch_packed, meta_shape
-from .inject import sketch_kept, sketch_groups, ROUTED_ROWS, walk_up   # the masked sketches: key columns, routed expert rows
+from .sketch import STATS, attn_sketch, sketch_rows, pack, sketch_node, sketch_packed
+from .sites import trace, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, meta_shape
+from .lower import SDPA_RTOL, SDPA_ATOL
+from .inject import inject_matmul_stats, inject_infer_stats, compile_injected, gate, same_outputs
+from .sketch import sketch_kept, sketch_groups
+from .sites import walk_up
+from .lower import ROUTED_ROWS   # the masked sketches: key columns, routed expert rows
 from .shapes import coverage, coverage_warning, _cacheless
 
 
@@ -257,7 +262,7 @@ def keys_sketch(x:torch.Tensor, # an attention product's operand whose last dim 
 
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b1-s5
-def routed_groups(group:torch.Tensor, # an expert tap's group id per routed row (`inject.sketch_groups`' `group`)
+def routed_groups(group:torch.Tensor, # an expert tap's group id per routed row (`sketch.sketch_groups`' `group`)
                   groups:int, # the experts: a row whose group is this is dropped
                   mask:torch.Tensor, # (batch, tokens), 0 at padded tokens: the tokens the router saw, flattened
                   perm:torch.Tensor=None, # rows sorted by expert (`grouped_mm`): the sort's indices; None: token-major rows (`batched_mm`)

@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn as nn
-from .inject import trace, SCALARS, VECTORS, ATTN_STATS, GATE_STATS
+from .sketch import SCALARS, VECTORS, ATTN_STATS, GATE_STATS
+from .sites import trace
 from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, decode_stats, eager_gate, gate_tolerance, record, inject_taps
 from .shapes import coverage, coverage_warning, tapped_share
 from .tables import InputError, ModelError
@@ -122,7 +123,7 @@ def _unwrapped(stats:dict)->dict:
     "Stats keyed by the decoder's own site names: `StaticDecoder` holds it as `.model`, which the traced graph prefixes."
     return {k.removeprefix('model.'): v for k, v in stats.items()}
 
-def decoder_coverage(gm, # a traced `StaticDecoder` step (`inject.trace`)
+def decoder_coverage(gm, # a traced `StaticDecoder` step (`sites.trace`)
                      *inputs, # its inputs
                     )->pd.DataFrame:
     "`shapes.coverage` of a traced `StaticDecoder` step, its sites named as the decoder's own (as `record_generate` records them)."

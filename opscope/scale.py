@@ -4,22 +4,20 @@
 
 # %% ../nbs/03a_scale.ipynb #4a8d0cee
 from __future__ import annotations
-import os, socket
+import os, socket, time
 from itertools import chain, islice
 from pathlib import Path
 import numpy as np
 import pandas as pd
-from .tables import InputError, SCHEMA, MINE_COLS, PARTITION_TYPES, RENAMED_STATS, require_columns, as_strings, dataset_files
-from .zoo import seq_model, stepped_sequence, mnist_mlp, mnist_batches
-from .recorder import Recorder, record, read_sketches
+from .tables import InputError, SCHEMA, MINE_COLS, PARTITION_TYPES, RENAMED_STATS, require_columns, as_strings, dataset_files, read_sketches
 from . import miner as _m
 from . import partials as _p
 from . import scale as _self   # this module as imported: spawned ranks unpickle `_spawned` from it (also when called from the notebook)
-from .zoo import get_model, model_names
 
 
 # %% auto #0
-__all__ = ['WORKLOADS', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings', 'mine_dask']
+__all__ = ['PATIENCE', 'POLL', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings',
+           'ClusterError', 'mine_dask', 'WORKLOADS']
 
 # %% ../nbs/03a_scale.ipynb #fb8246b6
 def record_shard(model, # an `nn.Module` (each rank holds its own replica)
@@ -32,6 +30,7 @@ def record_shard(model, # an `nn.Module` (each rank holds its own replica)
                 )->pd.DataFrame:
     "Record this rank's shard of `batches` (batch i on rank i % world, as step i) into its partition of the dataset `sink`."
     import torch.distributed as td
+    from opscope.recorder import Recorder, record   # imported here, not at the top: it loads torch, which mining must not (see the Dask section)
     live = td.is_available() and td.is_initialized()
     if rank is None or world is None:
         if not live: raise RuntimeError("record_shard: torch.distributed is not initialized; call init_process_group or pass rank and world")
@@ -47,11 +46,20 @@ def record_shard(model, # an `nn.Module` (each rank holds its own replica)
     return df
 
 # %% ../nbs/03a_scale.ipynb #1c3ee831
-WORKLOADS = model_names('scale')   # a view of the registry
+_all_ = ['WORKLOADS']
+
+def _zoo():
+    "The zoo, imported when a workload is asked for, not at the top: it loads torch, which mining must not."
+    from opscope import zoo
+    return zoo
+
+def __getattr__(name):   # PEP 562: `scale.WORKLOADS` reads the registry on first use, so `import opscope.scale` loads no torch
+    if name == 'WORKLOADS': return _zoo().model_names('scale')   # a view of the registry
+    raise AttributeError(f"module 'opscope.scale' has no attribute {name!r}")
 
 def _workload(name, steps):
     "`(model, batches, run_id, dist)` of a registered workload."
-    e = get_model(name, 'scale')
+    e = _zoo().get_model(name, 'scale')
     return (*e.workload(steps), name, e.dist)
 
 # %% ../nbs/03a_scale.ipynb #1c3ee831-s1
@@ -79,7 +87,7 @@ def record_spawned(out, # the dataset directory to write
                   ):
     "Record a zoo workload with `world` local ranks (spawned, loopback only), each writing its shard of the dataset `out`."
     import torch.multiprocessing as mp
-    get_model(workload, 'scale')          # an unknown name fails here, before any process starts
+    _zoo().get_model(workload, 'scale')   # an unknown name fails here, before any process starts
     mp.spawn(_self._spawned, args=(world, _free_port(), str(out), workload, steps, backend), nprocs=world, join=True)
     return Path(out)
 
@@ -311,7 +319,9 @@ def _read_dask(dd, src, storage_options=None, workers=1):
                 n = max(min(len(files), 2 * workers), -(-sum(f.stat().st_size for f in files) // PART_BYTES))
                 keys = [s.split('=', 1)[0] for s in files[0].relative_to(p).parts[:-1] if '=' in s]
                 groups = [[str(f) for f in g] for g in np.array_split(np.array(files, dtype=object), n)]
-                d = dd.from_map(_p.read_parts, groups, base=str(p), types={k: PARTITION_TYPES.get(k, 'string') for k in keys})
+                types = {k: PARTITION_TYPES.get(k, 'string') for k in keys}
+                meta = _p.read_parts(groups[0][:1], str(p), types).iloc[:0]   # read here: inferred, it would be a task, and wait on a paused cluster
+                d = dd.from_map(_p.read_parts, groups, base=str(p), types=types, meta=meta)
             else: d = dd.read_parquet(s, storage_options=storage_options)
         except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
     require_columns(d.columns, MINE_COLS, name)
@@ -339,7 +349,7 @@ def _whole_steps(sk, run):
     return (sk.shuffle(on=['run_id', 'step']) if steps.duplicated(['run_id', 'step']).any() else sk), len(steps)
 
 # %% ../nbs/03a_scale.ipynb #5c6edf2b
-def _dask_tables(sk, run):
+def _dask_tables(sk, run, seed=0):
     "The pooled tables of `partials.findings_from_tables`, each a distributed group-by over `sk` (whole steps per partition)."
     K, G, one, P = _m.KEYS, _p.G, dict(split_out=1), _p
     base = sk[~sk.role.isin(list(P.INFER_ROLES))]
@@ -366,22 +376,108 @@ def _dask_tables(sk, run):
     out = dict(dead=t['dead'], share=share[(share.share >= _m.OUTLIER_PERSIST) | (share.lo >= _m.OUTLIER_TOP_RATIO)],
                infer=P.infer_table(t['isum'], t['head']), features=None, cross=None)
     if len(t['numel']):
-        usual = _m.usual_steps(t['numel'].assign(stat='numel'))
-        u = usual.astype({k: sk[k].dtype for k in K})
-        ca = base.map_partitions(P.usual_rows, u, ['chan_absmax'])[G + ['idx', 'value']]
-        rng_ = _strkeys(run(base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max', 'count', 'size'], **one))[0])
-        ca = _strkeys(pd.concat(run(*ca.to_delayed())))   # the matrix's rows come back partition by partition, never concatenated on one worker
-        rng_ = rng_.set_index(K)
-        same = _m.stationary(rng_)   # the one stationarity definition
+        cross = _dask_cross(base, _m.usual_steps(t['numel'].assign(stat='numel')), run, seed)
         per = lambda k: t[k].set_index(K)
         h = per('hist')
         f = pd.concat([t['scal'].pivot(index=K, columns='stat', values='value'),
                        pd.DataFrame({'kurtosis_all': (h.w4 / h.w) / (h.w2 / h.w) ** 2}), per('rows'),
                        per('chan').rename(columns={'ratio': 'outlier_ratio', 'n': 'channels'})], axis=1)
-        out.update(features=_m.derived_features(f, per('steps').iloc[:, 0]),
-                   cross=(same.groupby(level=K).all(), usual.groupby(K).size(),
-                          _m.step_matrix(ca.sort_values('step', kind='stable').assign(stat='chan_absmax'), 'chan_absmax', usual)))
+        out.update(features=_m.derived_features(f, per('steps').iloc[:, 0]), cross=cross)
     return out
+
+# %% ../nbs/03a_scale.ipynb #5c6edf2b-s1
+def _dask_cross(base, usual, run, seed):
+    "`miner.cross_table`, each tap's rows computed on the worker its `chan_absmax` series were shuffled to (`partials.tap_coherence`)."
+    import dask
+    K, P = _m.KEYS, _p
+    steps = usual.groupby(K).size()
+    taps = steps.index.to_frame(index=False)                 # tap code -> KEYS: the shuffle moves small integers, not key strings
+    u = usual.merge(taps.assign(tap=np.arange(len(taps))), on=K).astype({k: base[k].dtype for k in K})
+    rng_ = base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max', 'count', 'size'], split_out=1)
+    same = dask.delayed(P.stationary_taps)(rng_)
+    ca = base.map_partitions(P.usual_rows, u, ['chan_absmax'])[['tap', 'idx', 'step', 'value']].shuffle(on='tap')   # a tap's series in one partition
+    mats = [dask.delayed(P.tap_matrix)(p, taps) for p in ca.to_delayed()]
+    cols = dask.delayed(P.valued_steps)(mats)
+    same, *rows = run(same, *[dask.delayed(P.tap_coherence)(w, cols, same, steps, seed) for w in mats])   # one row per tap comes back
+    rows = [r for r in rows if len(r)]
+    rest = same[~same.index.isin(pd.concat(rows).index)] if rows else same      # taps without chan_absmax rows
+    none = pd.DataFrame(index=pd.MultiIndex.from_arrays([[]] * (len(K) + 1), names=K + ['idx']), dtype=float)
+    return pd.concat(rows + [_m.cross_table(rest, steps.reindex(rest.index), none, seed)]).reindex(same.index)
+
+# %% ../nbs/03a_scale.ipynb #8c1e5a01
+class ClusterError(InputError, RuntimeError):
+    "The Dask cluster cannot finish the mining (a worker stuck paused at its memory limit, a worker lost, no worker): one line, an `InputError` and a `RuntimeError`."
+
+PATIENCE = 30.0   # seconds `mine_dask` waits on a worker that stays paused (or on a cluster without workers) before it fails
+POLL = 0.5        # seconds between two looks at the workers while a computation runs
+
+# %% ../nbs/03a_scale.ipynb #8c1e5a01-s1
+def _mib(b): return f"{b / 2**20:,.0f} MiB"
+
+def _share(mem, limit): return f"{_mib(mem)}, {mem / limit:.0%} of its {_mib(limit)} memory limit" if limit else _mib(mem)
+
+def _named(addr, w):
+    "A worker as an error names it: its name, and its address where that differs."
+    name = str(w.get('name', addr))
+    return f"worker {name} ({addr})" if name != addr else f"worker {addr}"
+
+def _advice(limit):
+    "What to set, for a worker with memory limit `limit` (bytes; 0: none) that ran out."
+    more = f"more than {_mib(limit)} " if limit else ''
+    return (f"give each worker {more}memory (mine_dask(memory_limit=...) on a local cluster, `dask worker --memory-limit` "
+            "on a real one; see the worker memory measured in opscope's scale docs) or add workers")
+
+# %% ../nbs/03a_scale.ipynb #8c1e5a01-s2
+class _Watch:
+    "The workers as `mine_dask` last saw them; `check` raises a `ClusterError` for one paused `patience` s, one lost, or none at all."
+    def __init__(self, client, patience):
+        self.c, self.patience, self.since = client, patience, {}
+        self.workers = self._look()
+
+    def _look(self):
+        "Every worker as the scheduler sees it now (not `Client.scheduler_info`, whose cached copy a periodic refresh may leave empty)."
+        return self.c.sync(self.c.scheduler.identity, n_workers=-1)['workers']
+
+    def check(self):
+        now, t = self._look(), time.monotonic()
+        for a in self.workers.keys() - now.keys(): self._lost(a, self.workers[a])
+        self.workers = now
+        stuck = {a for a, w in now.items() if w.get('status') == 'paused'} | (set() if now else {None})   # None: no worker at all
+        self.since = {a: self.since.get(a, t) for a in stuck}
+        late = [a for a, t0 in self.since.items() if t - t0 >= self.patience]
+        if late: raise self._stuck(late[0])
+
+    def _stuck(self, a):
+        if a is None: return ClusterError(f"the cluster has had no worker for {self.patience:g} s: start workers, or mine_dask without client= for a local cluster")
+        w = self.workers[a]; lim = w.get('memory_limit') or 0
+        return ClusterError(f"{_named(a, w)} stayed paused for {self.patience:g} s at {_share(w.get('metrics', {}).get('memory', 0), lim)} "
+                            f"(Dask runs nothing on a worker past its pause fraction): {_advice(lim)}")
+
+    def _lost(self, a, w):
+        "A worker that left: fine if it was retired on purpose, else a `ClusterError` (saying so when the nanny killed it for memory)."
+        lim = w.get('memory_limit') or 0
+        for _ in range(2):              # the nanny's event may reach the scheduler just after the worker is gone
+            killed = [e for _, e in self.c.get_events('worker-restart-memory') if e.get('worker') == a]
+            if killed: raise ClusterError(f"{_named(a, w)} was killed by its nanny at {_share(killed[-1]['rss'], lim)}: {_advice(lim)}")
+            if any(e.get('action') == 'remove-worker' and e.get('expected') for _, e in self.c.get_events(a)): return   # retired: its tasks move on
+            time.sleep(POLL)
+        raise ClusterError(f"{_named(a, w)} left the cluster while mining (crashed, killed or disconnected; "
+                           f"memory limit {_mib(lim) if lim else 'none'}): {_advice(lim)}")
+
+# %% ../nbs/03a_scale.ipynb #8c1e5a01-s3
+def _run(c, xs, watch, distributed):
+    "The results of the dask collections `xs`, computed on `c` while `watch` looks at the workers every `POLL` s."
+    fs = c.compute(list(xs))
+    try:
+        while True:
+            try: distributed.wait(fs, timeout=POLL); break
+            except TimeoutError: watch.check()
+        return c.gather(fs)
+    except BaseException as e:
+        c.cancel(fs)                    # the cluster stops working for a call that has ended
+        if not isinstance(e, distributed.KilledWorker): raise
+        lim = min((w.get('memory_limit') or 0 for w in watch.workers.values()), default=0)
+        raise ClusterError(f"the workers running {e.task!r} died {e.allowed_failures + 1} times: {_advice(lim)}") from None
 
 # %% ../nbs/03a_scale.ipynb #ca228aa8
 def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3://…, gs://…), a .parquet / .csv file, or a DataFrame
@@ -391,6 +487,7 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
               memory_limit='auto', # the LocalCluster's memory limit per worker, e.g. '400MB'
               rows=(), # also return these stats' raw rows in `findings.attrs['rows']` (e.g. ('density',) for a report)
               seed:int=0, # seeds `miner.cross_step`'s shuffles
+              patience:float=PATIENCE, # seconds a worker may stay paused at its memory limit (or the cluster have no worker) before the call fails
              )->pd.DataFrame:
     "`miner.mine`'s findings, every reduction a distributed group-by on a Dask cluster; only pooled tables come back."
     dask, dd, distributed = _dask()
@@ -400,14 +497,15 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
                                            memory_limit=memory_limit, dashboard_address=None)
     c = client if isinstance(client, distributed.Client) else distributed.Client(cluster or client)
     try:
-        run = lambda *xs: c.compute(list(xs), sync=True)
-        sk = _read_dask(dd, sketches, storage_options, len(c.scheduler_info()['workers']) or 1)
+        watch = _Watch(c, patience)
+        run = lambda *xs: _run(c, xs, watch, distributed)
+        sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
         sk, n = _whole_steps(sk, run)
         if n:
             st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
             probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'stat', 'value']])[0]
             sk = sk.map_partitions(_p.finite_steps)     # whole steps per partition: NaN/Inf steps dropped where they lie, as `mine` does
-            found = _p.findings_from_tables(**_dask_tables(sk, run), steps=st, probs=probs, seed=seed)
+            found = _p.findings_from_tables(**_dask_tables(sk, run, seed), steps=st, probs=probs, seed=seed)
         else: found = pd.DataFrame(columns=_m.FINDINGS)
         if rows: found.attrs['rows'] = _strkeys(run(sk[sk.stat.isin(list(rows))])[0])
         return found

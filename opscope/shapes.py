@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 import torch.fx._pytree as fx_pytree
 from . import zoo
-from .inject import trace, decompose_attention, matmul_sites, site_names, expert_site
+from .sites import trace, matmul_sites, site_names, expert_site
+from .lower import decompose_attention
 from .tables import InputError
 
 # %% auto #0
@@ -156,7 +157,7 @@ def _module_stack(model):
 
 # %% ../nbs/06_shapes.ipynb #63cdecc8
 class _NodeSites(torch.fx.Interpreter):
-    "Run a GraphModule, exposing the site name of the node being run (`inject.site_names` for GEMM-like nodes)."
+    "Run a GraphModule, exposing the site name of the node being run (`sites.site_names` for GEMM-like nodes)."
     current = ''
     def __init__(self, gm):
         super().__init__(gm); self.names = site_names(gm)
@@ -200,7 +201,7 @@ def op_costs(model_or_gm:nn.Module, # an `nn.Module` or a `torch.fx.GraphModule`
     m = model_or_gm
     if not isinstance(m, torch.fx.GraphModule) and not _torch_layer(m):
         kwargs = _cacheless(m, kwargs)
-        try: m = trace(m, *inputs, **kwargs)   # so GEMM sites get `inject.site_names`' names, the ones `record` writes
+        try: m = trace(m, *inputs, **kwargs)   # so GEMM sites get `sites.site_names`' names, the ones `record` writes
         except RuntimeError: pass              # untraceable (so `record` cannot tap it either): module paths name the ops
     if isinstance(m, torch.fx.GraphModule):
         interp, spec = _NodeSites(m), _in_spec(m)

@@ -12,7 +12,8 @@ import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .exploits import lhs_rows, _row_absmax, int4_grid, INT4_GROUP
+from .exploits import lhs_rows
+from .kernels import _row_absmax, int4_grid, INT4_GROUP
 from .tables import InputError
 from .recorder import record, _call_args
 from .miner import mine, INT8_MAX_CREST

@@ -11,7 +11,9 @@ import opscope.online as online
 import opscope.recorder as recorder
 from opscope.bench import (bench_model, hist_sample_error, overhead_table, online_table, like_for_like, sketch_profile,
                            miner_throughput, bench_report, goal_table, save_report, load_report, run_label, goals_by_run, GOALS)
-from opscope.inject import trace, inject_matmul_stats, compile_injected, STATS, HIST_SAMPLE, sketch as inject_sketch
+from opscope.sketch import STATS, HIST_SAMPLE, sketch as inject_sketch
+from opscope.sites import trace
+from opscope.inject import inject_matmul_stats, compile_injected
 from opscope.online import OnlineRecorder
 from opscope.zoo import mlp, transformer, make_tensor
 
@@ -72,6 +74,7 @@ def test_queue_must_be_positive():
 
 # --- the compiled path -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_compiled_injected_equals_eager_and_plain():
     m = transformer(layers=1, d=32, heads=2, seed=44)
     x = make_tensor('heavytail', (2, 8, 32), seed=45)
@@ -92,6 +95,7 @@ def test_compiled_injected_equals_eager_and_plain():
     torch.testing.assert_close(sc2['layers.0.ffn.up/rhs/absmax'], m.layers[0].ffn.up.weight.abs().max())
 
 
+@pytest.mark.slow
 def test_compiled_with_dynamic_shapes_equals_eager():
     "`compile_injected(inj, dynamic=True)`: one compiled graph for every sequence length (no recompile), whose sketches equal the eager ones, the histograms and near-zero shares included. The sizes make the plain stride n // HIST_SAMPLE share a factor with the channel count (2 with 32 channels, 8 and 18 with 64 and 96 key positions), so the sample needs the coprime search, and change its residues from one length to the next: a search written as a Python loop over the sizes becomes guards that recompile the graph (and a float the sketch region read made Dynamo's nested-region lift fail under dynamic shapes)."
     m = transformer(layers=1, d=32, heads=2, seed=44)
@@ -113,6 +117,7 @@ def test_compiled_with_dynamic_shapes_equals_eager():
     assert counters['stats']['unique_graphs'] == 1, dict(counters['stats'])
 
 
+@pytest.mark.slow
 def test_online_recorder_compiled_over_changing_lengths():
     "`OnlineRecorder(compile=True)` serving requests of changing sequence length, under torch.compile's default (automatic dynamic shapes, the path `record(compile=True)` takes too): the injected graph compiles twice, as the plain graph would (once static, once with the sequence dimension symbolic, which every later length reuses), and every sampled step's rows equal the eager recorder's."
     m = transformer(layers=1, d=32, heads=2, seed=47)
@@ -189,12 +194,12 @@ def test_numpy_hooks_sketch_every_tensor_of_a_forward():
 
 def test_fused_taps_counted_and_explained(monkeypatch):
     "With every tap above FUSED_MIN the fused-kernel rows count them all as fused (the default rows none), and the goal table's reasons say so."
-    import opscope.inject as inject
-    monkeypatch.setattr(inject, 'FUSED_MIN', 0)
+    import opscope.sketch as sk
+    monkeypatch.setattr(sk, 'FUSED_MIN', 0)
     m, x = bench_model(1, 32, 8, 2, seed=48)
     tab = overhead_table(m, x, repeats=1, ao=False).set_index('method')
     i, f = tab.loc['injected (eager)'], tab.loc['injected (eager, fused kernel)']
-    assert i.fused == 0 and f.fused == f.sketched == i.sketched > 0 and not inject._FUSED_ERROR
+    assert i.fused == 0 and f.fused == f.sketched == i.sketched > 0 and not sk._FUSED_ERROR
     assert tab.loc['injected (nn.Linear taps, fused kernel)'].taps == tab.loc['injected (nn.Linear taps)'].taps
     rep = dict(eager=tab.reset_index(), online=online_table(m, x, every=(8,), steps=8))
     why = goal_table(rep).set_index('goal').why
@@ -206,14 +211,14 @@ def test_fused_taps_counted_and_explained(monkeypatch):
 
 def test_blocked_taps_counted_as_run(monkeypatch):
     "With small blocks, the taps the bench counts as blocked are the ones a forward sketches block by block (the contiguous ones of three blocks or more), and the reasons say how many; the sketches equal the whole-tensor passes'."
-    import opscope.inject as inject
+    import opscope.sketch as sk
     m, x = bench_model(1, 128, 16, 2, seed=49)   # two heads: the head-first views are not contiguous
     gm = trace(m, x)
     inj = inject_matmul_stats(gm)
     with torch.no_grad(): _, ref = inj(x)
-    monkeypatch.setattr(inject, 'BLOCK', 256 // torch.get_num_threads())
-    ran, blocked = [], inject._raw_blocked
-    monkeypatch.setattr(inject, '_raw_blocked', lambda x, *a: (ran.append(tuple(x.shape)), blocked(x, *a))[1])
+    monkeypatch.setattr(sk, 'BLOCK', 256 // torch.get_num_threads())
+    ran, blocked = [], sk._raw_blocked
+    monkeypatch.setattr(sk, '_raw_blocked', lambda x, *a: (ran.append(tuple(x.shape)), blocked(x, *a))[1])
     with torch.no_grad(): _, got = inj(x)
     from opscope.bench import _sketched
     s = _sketched(inj)
@@ -229,6 +234,7 @@ def test_blocked_taps_counted_as_run(monkeypatch):
     assert f"({s['blocked']} of them, three cache blocks or bigger, block by block)" in goal_table(rep).set_index('goal').why['injected eager / plain eager']
 
 
+@pytest.mark.slow
 def test_report_goals_and_cli_round_trip(tmp_path, cli):
     rep = bench_report(full=False, miner_rows=2000, repeats=2, compile=False)
     gt = goal_table(rep)

@@ -5,7 +5,9 @@ import numpy as np, pandas as pd, pytest, torch, torch.nn as nn
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from opscope.zoo import DISTS, make_tensor, mlp, transformer, moe, mnist_mlp, example_input, outlier_channels
-from opscope.inject import trace, inject_matmul_stats, gate, sketch, STATS
+from opscope.sketch import sketch, STATS
+from opscope.sites import trace
+from opscope.inject import inject_matmul_stats, gate
 from opscope.recorder import record, read_sketches, sweep, SCHEMA, SWEEP_SHAPES
 from opscope.miner import mine
 from opscope.bench import planted_check
@@ -31,6 +33,7 @@ def test_outlier_channels_named_for_other_structure_seed():
     assert got == outlier_channels(512, 3)
 
 
+@pytest.mark.slow
 def test_main_job_cli(tmp_path, cli):
     r = cli('opscope-sweep', str(tmp_path / 'sweep.csv'), '--steps', '2', '--quiet')
     assert r.returncode == 0, r.stderr
@@ -45,6 +48,7 @@ def test_main_job_cli(tmp_path, cli):
     assert list(f.columns) == ['run_id', 'dist', 'site', 'role', 'stat', 'idx', 'value', 'exploit', 'detail']
 
 
+@pytest.mark.slow
 def test_sweep_parquet(tmp_path, cli):
     r = cli('opscope-sweep', str(tmp_path / 's.parquet'), '--steps', '1', '--quiet')
     assert r.returncode == 0, r.stderr
@@ -60,6 +64,7 @@ def _one_clear_line(r):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_cli_bad_input(tmp_path, cli):
     good = tmp_path / 'good.csv'
     record(mlp(layers=2), [torch.randn(4, 256)], sink=good)
@@ -185,7 +190,7 @@ def test_package_builds_with_entry_points(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     whl = next(tmp_path.glob('opscope-*.whl'))
     names = zipfile.ZipFile(whl).namelist()
-    for mod in ('zoo', 'inject', 'recorder', 'miner', 'cli'):
+    for mod in ('zoo', 'sketch', 'sites', 'lower', 'inject', 'recorder', 'miner', 'cli'):
         assert f'opscope/{mod}.py' in names
     ep = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith('entry_points.txt'))).decode()
     assert 'opscope-sweep = opscope.cli:opscope_sweep' in ep and 'opscope-mine = opscope.cli:opscope_mine' in ep
@@ -203,14 +208,14 @@ def test_nan_values_roundtrip_through_csv_and_parquet(tmp_path):
 def _traced_form(x, bins):
     "The sketch in its traceable form (what torch.compile / torch.export trace), run on real tensors."
     from unittest import mock
-    from opscope import inject
-    with mock.patch.object(torch.compiler, 'is_compiling', return_value=True): return inject._packed(x, bins)
+    import opscope.sketch as sk
+    with mock.patch.object(torch.compiler, 'is_compiling', return_value=True): return sk._packed(x, bins)
 
 
 @pytest.mark.parametrize('bins', [64, 10])
 def test_eager_sketch_matches_traced_form(bins):
     "The eager kernels (one preallocated output, in-place parts) and the traced form give the same packed sketch."
-    from opscope import inject
+    import opscope.sketch as sk
     g = torch.Generator().manual_seed(2027)
     x = torch.randn(4, 12, 20, generator=g); x.view(-1)[::6] = 0
     x[0, 1, 2], x[1, 2, 3], x[2, 3, 4] = float('nan'), float('inf'), -float('inf')
@@ -221,7 +226,7 @@ def test_eager_sketch_matches_traced_form(bins):
              torch.randint(-3, 3, (6, 8), generator=g)]
     for c in cases:
         before = c.clone()
-        a, b = inject._packed(c, bins), _traced_form(c, bins)
+        a, b = sk._packed(c, bins), _traced_form(c, bins)
         assert a.shape == b.shape and a.dtype == b.dtype, c.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
         torch.testing.assert_close(c, before, equal_nan=True)     # the tapped tensor is never written
@@ -248,18 +253,18 @@ def test_injected_graph_reads_nothing_back_to_the_host():
 
 
 def _with_kernel(monkeypatch, kernel, fn):
-    from opscope import inject
+    import opscope.sketch as sk
     with monkeypatch.context() as m:
-        m.setattr(inject, 'EAGER_KERNEL', kernel)
+        m.setattr(sk, 'EAGER_KERNEL', kernel)
         return fn()
 
 
 def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
     "The fused eager kernel (opt-in: what 'auto' runs for big CPU float32 taps) gives the ATen passes' sketch: NaN, ±inf, zeros, short sequences, and a whole injected transformer; it runs only where asked and compiles to one graph with no host read."
-    from opscope import inject
+    import opscope.sketch as sk
     calls = []
-    kernel = inject._fused_kernel
-    monkeypatch.setattr(inject, '_fused_kernel', lambda *a: calls.append(a[1:4]) or kernel(*a))
+    kernel = sk._fused_kernel
+    monkeypatch.setattr(sk, '_fused_kernel', lambda *a: calls.append(a[1:4]) or kernel(*a))
     g = torch.Generator().manual_seed(11)
     for shape in ((8, 96, 384), (10, 7, 1000)):
         x = torch.randn(shape, generator=g)
@@ -271,7 +276,7 @@ def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
     n = len(calls)
     sketch(torch.randn(8, 96, 384)); assert len(calls) == n            # the default: the ATen passes
     _with_kernel(monkeypatch, 'auto', lambda: (sketch(torch.randn(8, 96, 384)), sketch(torch.randn(4, 8, 16))))
-    assert len(calls) == n + 1 and not inject._FUSED_ERROR            # 'auto': the big tap fused, the small one not
+    assert len(calls) == n + 1 and not sk._FUSED_ERROR            # 'auto': the big tap fused, the small one not
     m, x = transformer(layers=1, d=128, heads=2), make_tensor('gaussian', (8, 64, 128), seed=3)   # taps of 65,536 elements and more
     x[0, 3, :5] = float('nan')
     gm = trace(m, x)
@@ -281,7 +286,7 @@ def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
     assert fused.keys() == aten.keys()
     for k in fused: torch.testing.assert_close(fused[k], aten[k], rtol=1e-4, atol=1e-4, equal_nan=True, msg=k)
     R, C, T = 768, 384, 96
-    ex = torch._dynamo.explain(inject._fused_passes)(torch.randn(R * C), R, C, T, inject.sample_stride(R * C, C), 64)
+    ex = torch._dynamo.explain(sk._fused_passes)(torch.randn(R * C), R, C, T, sk.sample_stride(R * C, C), 64)
     assert ex.graph_break_count == 0 and ex.graph_count == 1
     reads = [n for gr in ex.graphs for n in gr.graph.nodes if n.op == 'call_method' and n.target in ('item', 'tolist', 'cpu', 'numpy', '__bool__')]
     assert not reads, reads
@@ -289,14 +294,14 @@ def test_fused_eager_kernel_equals_aten_passes(monkeypatch):
 
 def test_fused_eager_kernel_failure_falls_back_once(monkeypatch):
     "A fused kernel that cannot compile (no C++ compiler, say) warns once and every tap then runs the ATen passes, with the same sketch."
-    from opscope import inject
+    import opscope.sketch as sk
     def broken(*a): raise RuntimeError('no compiler here\nmore detail')
-    monkeypatch.setattr(inject, '_fused_kernel', broken)
-    monkeypatch.setattr(inject, '_FUSED_ERROR', [])
+    monkeypatch.setattr(sk, '_fused_kernel', broken)
+    monkeypatch.setattr(sk, '_FUSED_ERROR', [])
     x = torch.randn(8, 96, 384)
     with pytest.warns(UserWarning, match='fused eager sketch kernel failed .RuntimeError: no compiler here.'):
         got = _with_kernel(monkeypatch, 'fused', lambda: sketch(x))
-    assert len(inject._FUSED_ERROR) == 1
+    assert len(sk._FUSED_ERROR) == 1
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -309,9 +314,9 @@ def test_fused_eager_kernel_failure_falls_back_once(monkeypatch):
 def test_fused_eager_kernel_off_under_dispatch_modes(monkeypatch):
     "A tap sketched under a TorchDispatchMode (a profiler or counter that wants the ATen ops) runs the ATen passes."
     from torch.utils._python_dispatch import TorchDispatchMode
-    from opscope import inject
+    import opscope.sketch as sk
     calls = []
-    monkeypatch.setattr(inject, '_fused_kernel', lambda *a: calls.append(1))
+    monkeypatch.setattr(sk, '_fused_kernel', lambda *a: calls.append(1))
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None): return func(*args, **(kwargs or {}))
     with Count(): s = _with_kernel(monkeypatch, 'fused', lambda: sketch(torch.randn(8, 96, 384)))
@@ -320,7 +325,7 @@ def test_fused_eager_kernel_off_under_dispatch_modes(monkeypatch):
 
 def test_fused_eager_kernel_past_the_recompile_limit(monkeypatch):
     "A size class past Dynamo's recompile limit runs the ATen passes for that tap, with no warning, and the kernel stays on; a batch of one is no new size class, and its sketch is the ATen passes'."
-    from opscope import inject
+    import opscope.sketch as sk
     from torch._dynamo.utils import counters
     import warnings
     x = torch.randn(8, 96, 384)
@@ -332,10 +337,10 @@ def test_fused_eager_kernel_past_the_recompile_limit(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True, msg=name)
     assert counters['stats']['unique_graphs'] == graphs            # a batch of one shares batch 4's compiled kernel
     def limit(*a): raise torch._dynamo.exc.FailOnRecompileLimitHit('recompile_limit reached')
-    monkeypatch.setattr(inject, '_fused_kernel', limit)
-    monkeypatch.setattr(inject, '_FUSED_ERROR', [])
+    monkeypatch.setattr(sk, '_fused_kernel', limit)
+    monkeypatch.setattr(sk, '_FUSED_ERROR', [])
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         got = _with_kernel(monkeypatch, 'fused', lambda: sketch(x))
-    assert not inject._FUSED_ERROR
+    assert not sk._FUSED_ERROR
     for name, a, b in zip(STATS, got, want): torch.testing.assert_close(a, b, equal_nan=True, msg=name)

@@ -3,8 +3,10 @@ import pytest, torch
 import torch.nn as nn
 import torch.nn.functional as F
 from opscope import zoo
-from opscope.inject import (trace, matmul_sites, inject_matmul_stats, inject_infer_stats, gate, decompose_attention,
-                            infer_sites, site_names, STATS, SDPA_RTOL, SDPA_ATOL)
+from opscope.sketch import STATS
+from opscope.sites import trace, matmul_sites, infer_sites, site_names
+from opscope.lower import decompose_attention, SDPA_RTOL, SDPA_ATOL
+from opscope.inject import inject_matmul_stats, inject_infer_stats, gate
 from opscope.shapes import op_costs, coverage, tapped_share, coverage_warning, shapes_model, GEMM_KINDS, COVERAGE_MIN
 
 def _stats(inj, *x, **kw):
@@ -179,6 +181,7 @@ def test_eager_experts_refused_in_one_line():
         trace(m, torch.randint(0, 96, (1, 5)), use_cache=False)
     assert '\n' not in str(e.value)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('arch', ['llama', 'mixtral'])
 def test_hf_causal_lm_covered_as_users_call_it(arch):
     "A causal LM's default use_cache=True returns a cache object no graph can return: coverage runs it without the cache."

@@ -22,6 +22,7 @@ SCREENSHOTS = ('index.ipynb', '02a_explore.ipynb')
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason='needs Debian chromium (.ci/run installs it: apt-get install chromium)')
+slow = pytest.mark.slow   # the tests of the built site: every page built, then opened in chromium
 
 
 def chromium(profile, *args, timeout=60):
@@ -92,6 +93,7 @@ def shown_images(nb):
     return n
 
 
+@slow
 @pytest.mark.parametrize('page', PAGES)
 def test_page(site, page):
     soup, nb = site[page], notebook(page)
@@ -134,6 +136,7 @@ def test_page(site, page):
     assert not re.search(r'^\s*#\|', '\n'.join(c.get_text() for c in soup.select('.jp-InputArea pre')), re.M)
 
 
+@slow
 def test_results_anchors(site):
     "Every anchored sidebar entry (the Results section) lands on a heading of its page."
     res = [e for e in sidebar_entries(NBS) if e['anchor']]
@@ -142,6 +145,7 @@ def test_results_anchors(site):
         assert site[e['nb']].find(id=e['anchor']) is not None, f"{e['nb']} has no #{e['anchor']}"
 
 
+@slow
 def test_screenshots(site):
     for page in SCREENSHOTS:
         png = ARTIFACTS / f'docs-{_page_name(page).removesuffix(".html")}.png'

@@ -44,6 +44,7 @@ NEW = 5   # prompt 6 + 5 new tokens: the cache holds 10 slots
 
 @pytest.mark.parametrize('family,window', [('mistral', 64), ('gemma2', 64), ('gemma3', 10), ('gpt_oss', 64),
                                            ('deepseek_v2', None), ('deepseek_v3', None), ('granitemoe', None)])
+@pytest.mark.slow
 def test_tokens_equal_generate(family, window):
     "Sliding windows that hold every token (10 slots: exactly, in gemma3's case), MLA caches (keys wider than values), GraniteMoE."
     m = build(family, window)
@@ -105,6 +106,7 @@ def test_every_nth_step_and_chosen_vectors():
     with pytest.raises(InputError, match='every must be at least 1'): record_generate(m, ids, 3, mask, every=0)
     with pytest.raises(InputError, match='unknown vector'): record_generate(m, ids, 3, mask, vectors=('nope',))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('family,window', [('granitemoe', None), ('gpt_oss', 64)])
 def test_router_softmax_is_not_attention(family, window):
     "A router's softmax over its top-k values is covered by the gate tap, never an `attn` site; no padding warning names it."

@@ -1,5 +1,5 @@
-"Fault injection: every recording CLI killed (SIGINT, SIGTERM, SIGKILL) mid-run into CSV, Parquet and a dataset; a full disk; hostile arguments."
-import contextlib, errno, io, os, random, re, signal, subprocess, sys, textwrap, time, warnings
+"Fault injection: every recording CLI killed (SIGINT, SIGTERM, SIGKILL) mid-run into CSV, Parquet and a dataset; a full disk; hostile arguments; every numeric argument held to the range its --help states (signals at the edges: test_signals.py)."
+import contextlib, errno, inspect, io, os, random, re, signal, subprocess, sys, textwrap, time, warnings
 from pathlib import Path
 
 import numpy as np
@@ -10,20 +10,14 @@ import torch
 from opscope import cli
 from opscope.recorder import read_sketches, record, Recorder, COMMIT_SUFFIX
 from opscope.zoo import mlp
+from test_signals import Child
 
-# A recorder that pauses after each committed step (a slow disk), so a short run is long enough to be killed mid-run;
-# the CLI itself is the real one, called through its entry point's argument parser.
-CHILD = """
-import sys, time, opscope.recorder as r
-_write = r.Recorder.write
-def slow(self, df): _write(self, df); time.sleep({pause})
-r.Recorder.write = slow
-from opscope import cli
-getattr(cli, sys.argv.pop(1))()
-"""
+# Each run is the real console script (its argument parsing, its signal handling), forked from a server that imported
+# opscope once (`test_signals.Child`: a run costs its work, not a torch import), with a recorder that pauses after each
+# committed step (a slow disk), so a short run is long enough to be killed mid-run.
 LONG = {   # CLI -> (function, arguments after OUT for a run far longer than the test waits)
     'opscope-sweep': ('opscope_sweep', ['--steps', '100000', '--quiet']),
-    'opscope-seq': ('opscope_seq', ['20000']),
+    'opscope-seq': ('opscope_seq', ['2000']),
     'opscope-mnist': ('opscope_mnist', ['70']),
     'opscope-infer': ('opscope_infer', ['--model', 'moe', '--steps', '256']),
 }
@@ -47,13 +41,6 @@ MIN_STEPS = 3          # steps committed before the signal is sent
 
 def _out(d, name, fmt):
     return d / (f'{name}.{fmt}' if fmt != 'dataset' else f'{name}_ds/')
-
-
-def _spawn(fn, out, args, pause):
-    script = Path(out).parent / f'.child-{pause}.py'
-    if not script.exists(): script.write_text(CHILD.format(pause=pause))
-    return subprocess.Popen([sys.executable, str(script), fn, str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, 'OMP_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'})
 
 
 def _committed(out, fmt):
@@ -85,7 +72,7 @@ def _expected(ref, run_id, step):
 
 KILLS = ([(n, f, sig) for n in LONG for f in FORMATS for sig in (signal.SIGINT, signal.SIGKILL)]   # every CLI × format, both
          + [(n, FORMATS[i % len(FORMATS)], signal.SIGTERM) for i, n in enumerate(LONG)])        # and each CLI (and format) SIGTERMed
-WAVE = 10              # kills run concurrently, at most this many at once (each child holds torch: ~0.5 GB)
+WAVE = 10              # kills run concurrently, at most this many at once (each child is a fork holding its own model and steps)
 
 
 def _kill_wave(d, wave, rng):
@@ -93,18 +80,19 @@ def _kill_wave(d, wave, rng):
     for name, fmt, sig in wave:
         fn, long_args = LONG[name]
         out = _out(d, f'{name}-{signal.Signals(sig).name}', fmt)
-        jobs.append(dict(name=name, fmt=fmt, sig=sig, out=out, proc=_spawn(fn, out, long_args, 0.05), sent=None))
+        log = d / f'{name}-{signal.Signals(sig).name}-{fmt}'
+        jobs.append(dict(name=name, fmt=fmt, sig=sig, out=out, proc=Child(fn, [out, *long_args], log, [('slow_steps', 0.05)]), sent=None))
     deadline = time.monotonic() + 240
     while any(j['sent'] is None for j in jobs) and time.monotonic() < deadline:
         for j in jobs:
-            if j['sent'] is None and (_committed(j['out'], j['fmt']) >= MIN_STEPS or j['proc'].poll() is not None):
+            if j['sent'] is None and (_committed(j['out'], j['fmt']) >= MIN_STEPS or not j['proc'].running()):
                 time.sleep(rng.uniform(0, 0.1))                     # a random point of the step in flight
-                j['proc'].send_signal(j['sig']); j['sent'] = time.monotonic()
+                j['proc'].send(j['sig']); j['sent'] = time.monotonic()
         time.sleep(0.02)
     for j in jobs:
         if j['sent'] is None: j['proc'].kill()
-        j['stdout'], j['stderr'] = j['proc'].communicate(timeout=120)
-        j['rc'] = j['proc'].returncode
+        c = j['proc'].wait(120)
+        j['stdout'], j['stderr'], j['rc'] = c.out, c.err, c.rc
     return jobs
 
 
@@ -117,6 +105,7 @@ def killed_runs(tmp_path_factory):
     return jobs, _clean_runs()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('k', range(len(KILLS)))
 def test_killed_cli_keeps_every_finished_step(killed_runs, k):
     jobs, ref = killed_runs
@@ -145,6 +134,7 @@ def test_killed_cli_keeps_every_finished_step(killed_runs, k):
     assert buf.getvalue().strip(), what
 
 
+@pytest.mark.slow
 def test_killed_output_mined_by_the_console_script(killed_runs):
     "The real `opscope-mine` on a SIGKILLed CSV: exit 0, and at most the torn-step warning on stderr."
     jobs, _ = killed_runs
@@ -229,6 +219,10 @@ def _hostile(d):
     (d / 'alien').mkdir(); (d / 'alien' / 'notes.txt').write_text('mine')
     huge = d / 'huge.csv'                # M = 10^30: once read as int64's minimum, then a SymInt error in plan
     t = pd.read_csv(good, dtype=str, keep_default_na=False); t.loc[t.index[:3], 'M'] = '1e30'; t.to_csv(huge, index=False)
+    vast = d / 'vast.csv'                # shapes that claim M = K = N = 200,000: about 1.2 TiB of float32 operands to plan
+    t = pd.read_csv(good, dtype=str, keep_default_na=False); t[['M', 'K', 'N']] = '200000'; t.to_csv(vast, index=False)
+    (d / 'folder.csv').mkdir()           # a directory named like a file
+    (d / 'f.py').write_text("import torch\ndef make(): return torch.nn.Linear(4, 4), [torch.randn(2, 4)]\n")
     return [   # (function, kwargs, what the one line must say)
         ('opscope_seq', dict(out=str(d / 's.csv'), steps=10**12), 'STEPS must be 2 to 20,000'),
         ('opscope_seq', dict(out=str(d / 's.csv'), steps=1), 'STEPS must be 2 to'),
@@ -272,6 +266,22 @@ def _hostile(d):
         ('opscope_plan', dict(inp=str(huge)), "column 'M' holds 1e+30, outside the int64 range"),
         ('opscope_mine', dict(inp=str(huge)), "column 'M' holds 1e+30, outside the int64 range"),
         ('opscope_docs_preview', dict(out_dir=str(afile / 'sub')), 'is a file, so the folder cannot be made'),
+        ('opscope_bench', dict(miner_rows=-5), '--miner_rows must be 1 to 100,000,000'),
+        ('opscope_bench', dict(miner_rows=0), '--miner_rows must be 1 to 100,000,000'),
+        ('opscope_bench', dict(miner_rows=10**12), '--miner_rows must be 1 to 100,000,000'),
+        ('opscope_record', dict(out=str(d / 'r.csv'), model=f'{d}/f.py:make', max_new_tokens=-7), '--max-new-tokens must be 1 to 4,096'),
+        ('opscope_record', dict(out=str(d / 'r.csv'), hf=str(d), prompts=str(afile), max_new_tokens=0), '--max-new-tokens must be 1 to 4,096'),
+        ('opscope_record', dict(out=str(d / 'r.csv'), hf=str(d), prompts=str(afile), max_new_tokens=10**9), '--max-new-tokens must be 1 to 4,096'),
+        ('opscope_infer', dict(out=str(d / 'i.csv'), model=f'{d}/f.py:make', max_new_tokens=-7), '--max-new-tokens must be 1 to 4,096'),
+        ('opscope_specialize', dict(model=f'{d}/f.py:make', max_new_tokens=10**9), '--max-new-tokens must be 1 to 4,096'),
+        ('opscope_specialize', dict(model=f'{d}/f.py:make', tolerance=2.0), '--tolerance must be 0 to 1'),
+        ('opscope_specialize', dict(model=f'{d}/f.py:make', tolerance=float('nan')), '--tolerance must be 0 to 1'),
+        ('opscope_probe', dict(sweep=str(good), seed=-1), '--seed must be 0 to'),
+        ('opscope_plan', dict(inp=str(vast)), "vast.csv: planning site 'layers.0' of run 'run' (M=200,000, K=200,000, N=200,000) needs about"),
+        ('opscope_sweep', dict(out=str(d / 'folder.csv')), 'folder.csv: a .csv OUT is a file, but a folder has that name'),
+        ('opscope_seq', dict(out=str(d / 'x.parquet') + '/'), 'x.parquet/: a .parquet OUT is a file, but the path ends in /'),
+        ('opscope_probe', dict(dump=str(d / 'x.safetensors') + '/'), "x.safetensors/: a .safetensors file's path cannot end in /"),
+        ('opscope_mine', dict(inp=str(good), out=str(d / 'f.csv') + '/'), "f.csv/: a .csv file's path cannot end in /"),
     ]
 
 
@@ -288,6 +298,58 @@ def test_hostile_arguments(tmp_path, capsys):
         assert sorted(p.name for p in tmp_path.rglob('*')) == before, (fn, kwargs, 'wrote something')
 
 
+NUM = r"-?\d{1,3}(?:,\d{3})*(?!\d)"
+RANGE = re.compile(rf"({NUM}) to ({NUM}|this machine's CPU count)|at least ({NUM})|a positive number")
+REQUIRED = dict(out='r.csv', inp='missing.csv', file='none.txt')   # the positional arguments of each command, harmless here
+
+
+def _numeric_options():
+    "(command, argparse action) for every int or float argument of every console script."
+    from fastcore.script import anno_parser
+    for fn in [getattr(cli, n) for n in cli.__all__ if n.startswith('opscope_')]:
+        for a in anno_parser(fn.__wrapped__)._actions:
+            if a.type in (int, float): yield fn, a
+
+
+@pytest.mark.parametrize('fn,a', list(_numeric_options()), ids=lambda x: getattr(x, '__name__', None) or getattr(x, 'dest', ''))
+def test_every_numeric_argument_has_its_documented_range(fn, a, tmp_path, capsys):
+    "Each int/float argument states its range in its --help text, and that range is the one enforced: one step outside it is refused, naming it."
+    m = RANGE.search(a.help or '')
+    assert m, f"{fn.__name__} --{a.dest}: no range in its help: {a.help!r}"
+    num = lambda t: a.type(t.replace(',', ''))
+    if m.group(3): outside, says = [num(m.group(3)) - 1], f'at least {m.group(3)}'
+    elif m.group(1):
+        hi = os.cpu_count() if 'CPU' in m.group(2) else num(m.group(2))
+        outside, says = [num(m.group(1)) - 1, hi + 1], f"{m.group(1)} to {hi:,}" if 'CPU' in m.group(2) else m.group(0)
+    else: outside, says = [0, -1], 'a positive finite number'
+    params = inspect.signature(fn.__wrapped__).parameters
+    args = {k: str(tmp_path / REQUIRED[k]) for k, p in params.items() if p.default is p.empty}
+    for v in outside:
+        with pytest.raises(SystemExit) as e: fn(**args, **{a.dest: v})
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count('\n') == 1, (fn.__name__, a.dest, v, err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_issue_34_arguments_through_the_parser(tmp_path, capsys):
+    "The issue's unbounded arguments and mistaken paths, parsed as the console scripts parse them (`cli.console`): one line, exit 2, nothing run."
+    (tmp_path / 'd.csv').mkdir()
+    (tmp_path / 'f.py').write_text("import torch\ndef make(): return torch.nn.Linear(4, 4), [torch.randn(2, 4)]\n")
+    cases = [(cli.opscope_bench, ['--miner_rows', '-5'], '--miner_rows must be 1 to 100,000,000'),
+             (cli.opscope_bench, ['--miner-rows', '0'], '--miner_rows must be 1 to 100,000,000'),
+             (cli.opscope_record, [tmp_path / 'r.csv', '--model', f'{tmp_path}/f.py:make', '--max-new-tokens', '-7'], '--max-new-tokens must be 1 to 4,096'),
+             (cli.opscope_infer, [tmp_path / 'i.csv', '--hf', tmp_path, '--prompts', tmp_path / 'f.py', '--max_new_tokens', '1000000000'],
+              '--max-new-tokens must be 1 to 4,096'),
+             (cli.opscope_sweep, [tmp_path / 'd.csv'], 'd.csv: a .csv OUT is a file, but a folder has that name'),
+             (cli.opscope_probe, ['--dump', f'{tmp_path}/x.safetensors/'], "x.safetensors/: a .safetensors file's path cannot end in /")]
+    for fn, argv, says in cases:
+        with pytest.raises(SystemExit) as e: cli.console(fn, [str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count('\n') == 1 and says in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['d.csv', 'f.py'] and not any((tmp_path / 'd.csv').iterdir())
+
+
+@pytest.mark.slow
 def test_hostile_arguments_console_scripts(tmp_path):
     "The review's cases through the real entry points: one line and exit 2."
     (tmp_path / 'afile').write_text('x')
@@ -311,6 +373,7 @@ def test_library_bug_keeps_traceback(capsys):
 
 # --- bounded memory -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rss_flat_over_1000_steps(tmp_path):
     if Path('/dev/shm').is_dir(): tmp_path = Path(__import__('tempfile').mkdtemp(dir='/dev/shm'))   # memory, not fsync, is measured
     "1,000 steps of a small model into a CSV sink: resident memory grows by less than 64 MiB (steady state after warm-up)."
@@ -345,6 +408,7 @@ def test_only_input_errors_are_one_line(capsys):
         assert capsys.readouterr().err.strip() in ('prog: error: bad input', 'prog: error: no site x')
 
 
+@pytest.mark.slow
 def test_library_bug_in_a_cli_shows_its_traceback(tmp_path):
     "A CLI whose library call raises ValueError (a bug, monkeypatched in) prints the traceback; bad input stays one line."
     sk = tmp_path / 'sk.csv'

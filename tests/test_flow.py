@@ -38,6 +38,7 @@ def test_moe_and_mlp_blocks_follow_layers(layers):
     assert mo['linear → relu'] == layers
 
 
+@pytest.mark.slow
 def test_cli_flow_transformer_and_moe():
     r = run('opscope-flow', '6', 'transformer')
     assert r.returncode == 0, r.stderr
@@ -119,6 +120,7 @@ def test_cli_bad_files_exit_2_one_line(tmp_path, name):
     assert lines[0].startswith(f'opscope-graph: error: {p}') and msg in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_cli_missing_file_and_bad_layers(tmp_path):
     r = run('opscope-graph', str(tmp_path / 'nope.onnx'))
     assert (r.returncode, r.stderr.strip()) == (2, f'opscope-graph: error: {tmp_path}/nope.onnx: no such file')

@@ -75,6 +75,7 @@ def test_golden_files_exist():
     assert {f'{c}_{k}.csv' for c in G.CASES for k in ('findings', 'plans')} <= set(GOLDEN)
     assert {'cli_sweep_stdout.txt', 'cli_mine_stdout.txt', 'cli_mine_out.csv', 'cli_plan_out.csv'} <= set(GOLDEN)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', GOLDEN)
 def test_golden(recomputed, name):
     want, got = G.HERE / name, recomputed / name

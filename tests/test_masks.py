@@ -4,7 +4,8 @@ import numpy as np, pandas as pd, pytest, torch
 import torch.nn as nn
 import torch.nn.functional as F
 from opscope.recorder import record, eager_gate, gate_tolerance, masked_sketch, GATE_TOL, SDPA_RTOL, SDPA_ATOL
-from opscope.inject import STATS, trace
+from opscope.sketch import STATS
+from opscope.sites import trace
 from opscope.miner import mine, tap_features, TOKEN_ROWS90_MAX
 from opscope.partials import row_steps
 from opscope.scale import mine_duckdb
@@ -107,6 +108,7 @@ def test_nan_rows_are_not_rows_in_every_engine():
         assert not (engine(sk).exploit == 'token-sparsity').any(), name
 
 
+@pytest.mark.slow
 def test_engines_agree_on_a_padded_moe_recording():
     m = tiny_decoder('qwen2_moe', hidden=40, vocab=112, seed=15)
     ids = torch.randint(2, 112, (2, 5), generator=torch.Generator().manual_seed(34)); am = torch.ones_like(ids); am[0, :2] = 0
@@ -167,6 +169,7 @@ class _Attn(nn.Module):
         return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2))
 
 
+@pytest.mark.slow
 def test_bf16_decomposed_sdpa_passes_the_gate():
     torch.manual_seed(36)
     m = _Attn().eval().to(torch.bfloat16)
@@ -244,6 +247,7 @@ def _tap(df, site, role, step=0):
     return df[(df.site == site) & (df.role == role) & (df.step == step)].set_index(['stat', 'idx']).value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('arch,impl', [('mixtral', 'grouped_mm'), ('qwen2_moe', 'grouped_mm'), ('mixtral', 'batched_mm')])
 def test_expert_rows_are_the_real_tokens_routed_to_them(arch, impl):
     m = tiny_decoder(arch, hidden=24, vocab=96, seed=71)
@@ -284,6 +288,7 @@ def test_expert_rows_are_the_real_tokens_routed_to_them(arch, impl):
     np.testing.assert_allclose(a.to_numpy(), b.to_numpy(), rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_masked_expert_graph_exports_without_host_reads():
     "transformers' own grouped_mm experts module, traced alone: its masked expert taps export and match the eager graph."
     from opscope.recorder import _apply_mask
@@ -393,6 +398,7 @@ def _mask_warnings(fn):
     return [str(x.message) for x in w if str(x.message).startswith('attention_mask:')]
 
 
+@pytest.mark.slow
 def test_taps_a_mask_cannot_reach_are_named_in_one_warning():
     "Padding the key masks cannot remove (an unknown attention layout) is said, not silently counted; known layouts say nothing."
     torch.manual_seed(81)

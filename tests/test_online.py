@@ -205,7 +205,7 @@ def test_splitmix64_reference_values():
 
 def test_online_recorder_end_to_end():
     from opscope.zoo import mlp, example_input
-    from opscope.inject import trace
+    from opscope.sites import trace
     from opscope.recorder import SCHEMA
     m = mlp(layers=2, seed=0)
     xs = [example_input(m, batch=8, seed=s) for s in range(30)]

@@ -5,10 +5,11 @@ import pandas as pd
 import pytest, torch
 import torch.nn.functional as F
 from opscope.zoo import load_mnist, mnist_mlp, make_tensor
-from opscope.inject import trace
+from opscope.sites import trace
 from opscope.recorder import record
 from opscope.miner import mine
-from opscope.exploits import REGISTRY, Exploit, Rule, register, planned, guard_density, kernel_sparse, cost_sparse, evidence_sparse
+from opscope.exploits import REGISTRY, Exploit, Rule, register, planned, guard_density, cost_sparse, evidence_sparse
+from opscope.kernels import kernel_sparse
 from opscope.plan import (plan, specialize, choose, check_specialized, parse_guard, format_guard, guard_holds,
                           sketch_values, live_values, parse_channels, make_kernel, format_plan, PLAN_COLUMNS,
                           NOT_WORTH_IT, LOSSY_REL_TOL, stationary_taps, FINITE_GUARD)
@@ -175,6 +176,7 @@ def sketch_file(tmp_path_factory, mnist):
     return d
 
 
+@pytest.mark.slow
 def test_cli_plan_prints_and_writes(cli, sketch_file):
     out = sketch_file / 'plan.csv'
     r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--out', str(out))
@@ -188,12 +190,14 @@ def test_cli_plan_prints_and_writes(cli, sketch_file):
     assert 'fc1' in sgm.guarded
 
 
+@pytest.mark.slow
 def test_cli_plan_only_the_chosen_exploits(cli, sketch_file):
     r = cli('opscope-plan', str(sketch_file / 'mnist.csv'), '--exploits', 'dead-channels')
     assert r.returncode == 0, r.stderr
     assert {l.split()[1] for l in r.stdout.splitlines() if l.strip()} == {'dead-channels'}
 
 
+@pytest.mark.slow
 def test_cli_plan_bad_input(cli, sketch_file):
     r = cli('opscope-plan', str(sketch_file / 'missing.csv'), '--out', str(sketch_file / 'never.csv'))
     assert r.returncode == 2 and r.stderr.strip() == f'opscope-plan: error: {sketch_file}/missing.csv: no such file'

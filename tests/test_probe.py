@@ -117,6 +117,7 @@ def test_cli_bad_model_leaves_no_file(tmp_path):
     assert out.stderr.splitlines() == ["opscope-probe: error: unknown model 'resnet'; choose one of transformer, mnist, minilm"]
     assert list(tmp_path.iterdir()) == []
 
+@pytest.mark.slow
 def test_cli_minilm_reports_effective_ranks():
     out = _cli('--model', 'minilm', '--batch', '4')
     assert out.returncode == 0, out.stderr

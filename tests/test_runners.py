@@ -41,6 +41,7 @@ def _run(arch):
     return _runs[arch]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('arch', DECODERS)
 def test_tokens_equal_generate_and_one_step_per_forward(arch):
     m, ref, calls, toks, df, _ = _run(arch)
@@ -104,6 +105,7 @@ def _call(capsys, *argv):
     return 0, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_bad_specs_one_line_exit_2_nothing_written(tmp_path, capsys, cli):
     (tmp_path / 'fac.py').write_text("import torch\ndef good():\n    return torch.nn.Linear(4, 2), [torch.randn(3, 4)]\n"
                                      "def wrong():\n    return torch.nn.Linear(4, 2)\nnot_callable = 3\n")

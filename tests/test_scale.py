@@ -1,10 +1,11 @@
 "Scale: Parquet datasets written by two ranks, out-of-core mining with DuckDB, and the CLI on a dataset directory."
+import subprocess, sys
 import numpy as np, pandas as pd, pytest, torch
 
 from opscope.zoo import seq_model, stepped_sequence, mnist_mlp, mnist_batches
 from opscope.recorder import record, read_sketches, sweep, Recorder, SCHEMA
 from opscope.miner import mine
-from opscope.scale import record_spawned, record_shard, mine_duckdb, same_findings
+from opscope.scale import record_spawned, record_shard, mine_duckdb, same_findings, WORKLOADS
 
 
 @pytest.fixture(scope='module')
@@ -59,6 +60,7 @@ def test_shard_without_process_group_and_collisions(tmp_path):
         with pytest.raises(ValueError, match='more than one rank'): f(clash)
 
 
+@pytest.mark.slow
 def test_cli_mine_dataset_dir_equals_file(two_ranks, cli):
     d, ds, one = two_ranks
     a = cli('opscope-mine', str(ds) + '/')
@@ -79,3 +81,12 @@ def test_cli_mine_dataset_dir_equals_file(two_ranks, cli):
     empty = d / 'empty'; empty.mkdir()
     r = cli('opscope-mine', str(empty))
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'no sketches in it' in r.stderr
+
+
+def test_scale_imports_no_torch():
+    "Mining needs no torch: `import opscope.scale` (what a Dask worker and a mining script import) leaves it out; recording imports it when called."
+    code = ("import sys, opscope.scale as s; assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert 'seq' in s.WORKLOADS and 'torch' in sys.modules")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert set(WORKLOADS) >= {'seq', 'mnist'}

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from opscope import zoo
-from opscope.inject import trace
+from opscope.sites import trace
 from opscope.shapes import (op_costs, roofline, roofline_totals, gemm_histogram, measure_machine, shapes_model,
                             published_gmacs, GEMM_KINDS, COST_COLUMNS)
 
@@ -73,6 +73,7 @@ def test_measure_machine_is_consistent():
 def _cli(*args):
     return subprocess.run(['opscope-shapes', *args], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
 
+@pytest.mark.slow
 def test_cli_zoo_and_torchvision():
     out = _cli('mnist', '--top', '3', '--peak_flops', '1e11', '--bandwidth', '1e10')
     assert out.returncode == 0, out.stderr
@@ -82,6 +83,7 @@ def test_cli_zoo_and_torchvision():
     assert out.returncode == 0, out.stderr
     assert '(1.81 GMAC)' in out.stdout
 
+@pytest.mark.slow
 def test_cli_unknown_model_is_one_line():
     out = _cli('resnet19')
     assert out.returncode == 2 and out.stdout == ''

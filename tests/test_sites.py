@@ -1,7 +1,8 @@
 "Issue #18: one site-naming function. `inject` (the injected graph), `shapes` (its FLOPs table and coverage) and the runners (what `record` writes) name every GEMM site of a 3-layer zoo transformer, the zoo MoE and resnet18 identically."
 import pytest, torch, torchvision
 from opscope import zoo
-from opscope.inject import trace, matmul_sites, inject_matmul_stats
+from opscope.sites import trace, matmul_sites
+from opscope.inject import inject_matmul_stats
 from opscope.shapes import op_costs, coverage
 from opscope.recorder import record
 
@@ -38,7 +39,7 @@ def test_one_naming(names):
     want = n['matmul_sites']
     assert len(want) >= {'transformer3': 3 * 8, 'moe': 2 * 4, 'resnet18': 21}[case]   # every GEMM of the model has a site
     for tool, got in n.items():
-        assert got == want, f"{case}: {tool} names {sorted(got ^ want)[:6]} differently from inject.matmul_sites"
+        assert got == want, f"{case}: {tool} names {sorted(got ^ want)[:6]} differently from sites.matmul_sites"
 
 def test_no_module_path_names():
     "The old mismatch: shapes named the zoo attention's `@` after its module (`layers.0.attn`), inject `layers.0.attn.matmul`."

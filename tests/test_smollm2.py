@@ -33,6 +33,7 @@ def test_missing_gguf_file_is_named(monkeypatch):
     with pytest.raises(FileNotFoundError, match='absent.gguf is missing'): smollm2_path()
 
 
+@pytest.mark.slow
 def test_loads_offline_and_answers_paris(smollm2, monkeypatch):
     monkeypatch.setenv('HF_HUB_OFFLINE', '1')
     model, tok = smollm2
@@ -40,6 +41,7 @@ def test_loads_offline_and_answers_paris(smollm2, monkeypatch):
     assert 'Paris' in _greedy(model, tok, [FRANCE])[0]
 
 
+@pytest.mark.slow   # loads the real decoder (the module fixture)
 def test_batched_greedy_pads_left(smollm2):
     model, tok = smollm2
     assert tok.pad_token is not None and tok.padding_side == 'left'
@@ -47,6 +49,7 @@ def test_batched_greedy_pads_left(smollm2):
     assert 'Paris' in answers[0]                        # the shorter prompt is padded and still answered
 
 
+@pytest.mark.slow   # loads the real decoder (the module fixture)
 def test_llama_shape_and_float32_linears(smollm2):
     model, _ = smollm2
     assert type(model).__name__ == 'LlamaForCausalLM'
@@ -58,6 +61,7 @@ def test_llama_shape_and_float32_linears(smollm2):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.slow   # loads the real decoder (the module fixture)
 def test_chat_prompts_wrap_each_question(smollm2):
     _, tok = smollm2
     ps = chat_prompts(tok, PROMPTS)

@@ -87,7 +87,7 @@ def test_int4_candidate_needs_a_4bit_grid():
     "int4-weight is measured only where the weight lies on a 4-bit grid per group (as dequantized GGUF Q4 weights do)."
     import pandas as pd
     from opscope.specialize import candidates
-    from opscope.exploits import int4_grid
+    from opscope.kernels import int4_grid
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)
     none = pd.DataFrame(columns=['site', 'exploit', 'role', 'idx', 'value'])

@@ -14,7 +14,7 @@ nan = np.nan
 
 
 def _tap(site, absmax, chans, role='lhs'):
-    "Sketch rows of one matmul tap: `absmax[t]` (NaN: no rows on step t, as `inject.sketch_groups` writes an expert no token reached) and `chans[t]`."
+    "Sketch rows of one matmul tap: `absmax[t]` (NaN: no rows on step t, as `sketch.sketch_groups` writes an expert no token reached) and `chans[t]`."
     out = []
     for t, (a, ch) in enumerate(zip(absmax, chans)):
         scal = dict(numel=64, nan_count=0, inf_count=0, absmax=a, min=-a, max=a, rms=a / 3, density=nan if np.isnan(a) else 1.0)
@@ -79,6 +79,7 @@ def mixtral_b1():
     return record_generate(m, ids, 8, run_id='mixtral-b1')[1]
 
 
+@pytest.mark.slow
 def test_real_generate_expert_taps_without_rows(mixtral_b1):
     sk = mixtral_b1
     gone = step_table(sk).absent.groupby(level=['site', 'role']).sum()
@@ -153,6 +154,7 @@ def test_heavy_tails_one_step_make_no_claim_and_engines_agree():
     assert not (f.exploit == 'channel-outliers').any() and same_findings(f, mine_duckdb(sk))
 
 
+@pytest.mark.slow
 def test_real_minilm_names_channel_99_in_every_layer():
     "MiniLM over two batches of SENTENCES: channel 99 is the top lhs channel of every q/k/v GEMM, 4.7-5x its median in layer 0."
     m, bs = zoo.MODELS['minilm'].workload(steps=2)

@@ -6,6 +6,7 @@ from opscope.recorder import record, read_sketches
 from opscope.miner import mine, cross_step
 
 
+@pytest.mark.slow
 def test_mnist_cli_finds_border_and_relu_sparsity(tmp_path, cli):
     r = cli('opscope-mnist', str(tmp_path / 'm.csv'), '12')
     assert r.returncode == 0, r.stderr
@@ -28,6 +29,7 @@ def test_mnist_cli_finds_border_and_relu_sparsity(tmp_path, cli):
     assert abs(skip - (imgs == 0).float().mean().item()) < 1e-6
 
 
+@pytest.mark.slow
 def test_seq_cli_stationary_weights_drifting_coherent_activations(tmp_path, cli):
     r = cli('opscope-seq', str(tmp_path / 's.parquet'), '16')
     assert r.returncode == 0, r.stderr
@@ -64,6 +66,7 @@ def test_independent_batches_not_called_coherent():
     assert not found.detail.str.contains('across calls').any()
 
 
+@pytest.mark.slow
 def test_bad_counts(tmp_path, cli):
     for cmd, arg in (('opscope-seq', '1'), ('opscope-mnist', '0')):
         r = cli(cmd, str(tmp_path / 'x.csv'), arg)

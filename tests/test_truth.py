@@ -7,7 +7,7 @@ import pytest, torch
 from hypothesis import given, settings, HealthCheck, strategies as st
 from pandas._libs.parsers import STR_NA_VALUES
 from opscope import zoo
-from opscope.inject import STATS, ATTN_STATS, GATE_STATS
+from opscope.sketch import STATS, ATTN_STATS, GATE_STATS
 from opscope.recorder import record, read_sketches, sweep, SCHEMA, RENAMED_STATS, SCHEMA_VERSION
 from opscope.miner import mine, tap_features, cross_step, LOWRANK_ERANK_SHARE
 from opscope.scale import mine_duckdb, same_findings
