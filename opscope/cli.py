@@ -4,57 +4,25 @@
 
 # %% ../nbs/09_cli.ipynb #d15a85aa
 from __future__ import annotations
-import argparse, contextlib, functools, inspect, math, os, re, signal, sys, tempfile, threading, types, warnings
+import contextlib, inspect, math, os, re, signal, sys, tempfile, warnings
 from pathlib import Path
+from .harness import (Interrupted, CliError, cli_errors, stop_signals, signals_wait, kebab_options, command, console,
+                             _STATE, _stopped)   # first: a console script's signals are opscope's before the slow imports
 
 # %% auto #0
-__all__ = ['STOP_SIGNALS', 'EXPECTED_ERRORS', 'PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES',
-           'SEED_MAX', 'SWEEP_MAX_STEPS', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN',
-           'INFER_MAX_STEPS', 'MAX_NEW_TOKENS', 'NEW_TOKENS_WHY', 'BENCH_MAX_ROWS', 'BENCH_ROW_BYTES',
-           'SPECIALIZE_MAX_BATCH', 'Interrupted', 'CliError', 'cli_errors', 'stop_signals', 'signals_wait',
-           'kebab_options', 'command', 'console', 'opscope_probe', 'opscope_shapes', 'check_recording_out', 'recording',
-           'check_whole_out', 'in_range', 'positive', 'machine_memory', 'fits_memory', 'gemm_memory',
-           'check_gemm_memory', 'opscope_sweep', 'format_findings', 'opscope_mine', 'record_to', 'opscope_seq',
-           'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview', 'opscope_plan',
-           'opscope_infer', 'opscope_bench', 'opscope_record', 'opscope_specialize']
-
-# %% ../nbs/09_cli.ipynb #d15a85aa-s1
-class Interrupted(BaseException):
-    "SIGINT or SIGTERM, raised in the main thread so a command stops where it is, closes its output and exits 128 + the signal's number."
-    def __init__(self, signum:int): super().__init__(signal.Signals(signum).name); self.signum = signum
-    @property
-    def code(self)->int: return 128 + self.signum
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_STATE = types.SimpleNamespace(signum=None, raised=False, armed=False, combine_stopped=False, kept=None)   # the first signal, and what OUT kept
-
-def _in_combine(frame)->bool:
-    "Whether `frame` runs inside the recorder's final Parquet combine, which a signal may stop: the parts it reads stay whole."
-    while frame is not None:
-        if frame.f_code.co_name == '_combine_parts' and frame.f_globals.get('__name__') == 'opscope.recorder': return True
-        frame = frame.f_back
-    return False
-
-def _on_signal(signum, frame):
-    "SIGINT's and SIGTERM's handler: note the first and raise it while armed; stop the final Parquet combine once; otherwise a signal waits."
-    if _STATE.signum is None: _STATE.signum = signum
-    if _STATE.armed and not _STATE.raised: _STATE.raised = True; raise Interrupted(_STATE.signum)
-    if not _STATE.combine_stopped and _in_combine(frame): _STATE.combine_stopped = True; raise Interrupted(_STATE.signum)
-
-def _install(handler)->dict:
-    "`handler` for SIGINT and SIGTERM, except one that is ignored (an inherited ignore is honoured); the handlers it replaced."
-    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    for s, h in old.items():
-        if h is not signal.SIG_IGN: signal.signal(s, handler)
-    return old
-
-if Path(getattr(sys.modules.get('__main__'), '__file__', None) or '').name.startswith('opscope-'):   # an installed console script
-    _install(_on_signal)
+__all__ = ['PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX', 'SWEEP_MAX_STEPS',
+           'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS', 'MAX_NEW_TOKENS',
+           'NEW_TOKENS_WHY', 'BENCH_MAX_ROWS', 'BENCH_ROW_BYTES', 'SPECIALIZE_MAX_BATCH', 'opscope_probe',
+           'opscope_shapes', 'check_recording_out', 'recording', 'check_whole_out', 'in_range', 'positive',
+           'machine_memory', 'fits_memory', 'gemm_memory', 'check_gemm_memory', 'opscope_sweep', 'format_findings',
+           'opscope_mine', 'record_to', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow',
+           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record',
+           'opscope_specialize']
 
 # %% ../nbs/09_cli.ipynb #d15a85aa-s2
 import numpy as np, pandas as pd
-from fastcore.script import anno_parser, Param
-from .tables import InputError, atomic_write
+from fastcore.script import Param
+from .tables import atomic_write
 from .zoo import MODELS, INFER_MODELS, model_names, get_model, infer_workload
 from .recorder import Recorder, COMMIT_SUFFIX, record, read_sketches, sweep, SWEEP_SHAPES
 from .miner import mine, confirm_low_rank, step_table, drop_nonfinite_steps, KEYS, INFER_EXPLOITS
@@ -67,114 +35,6 @@ from .docs import docs_preview
 from .bench import bench_report, goal_table, save_report
 from .runners import load_factory, load_hf, read_prompts, record_hf
 from .specialize import specialize_model, format_report
-
-# %% ../nbs/09_cli.ipynb #3615fb9d
-class CliError(Exception):
-    "An expected command-line failure: printed as one line, exit code 2."
-
-EXPECTED_ERRORS = (CliError, InputError, OSError, ImportError, NotImplementedError)   # input and environment, never a bug
-
-# %% ../nbs/09_cli.ipynb #3615fb9d-s1
-def _message(e:BaseException)->str:
-    "The one line printed for an expected error: an OS error as `path: reason`."
-    if isinstance(e, OSError) and e.strerror:
-        where = ' → '.join(str(p) for p in (e.filename, e.filename2) if p is not None)
-        return f"{where}: {e.strerror}" if where else e.strerror
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-# %% ../nbs/09_cli.ipynb #3615fb9d-s2
-@contextlib.contextmanager
-def cli_errors(prog:str): # the command's name, printed before the message
-    "Turn input and environment failures inside the block into one line on stderr and `SystemExit(2)`; a bug keeps its traceback."
-    try: yield
-    except BrokenPipeError:                       # `opscope-mine x.csv | head`: the reader left, not an error
-        sys.stderr.close(); raise SystemExit(0)
-    except EXPECTED_ERRORS as e:
-        print(f"{prog}: error: {_message(e)}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-# %% ../nbs/09_cli.ipynb #5e1a0002
-@contextlib.contextmanager
-def stop_signals():
-    "Within the block the first SIGINT or SIGTERM raises `Interrupted` (one noted while the command started, on entry); later ones wait. An ignored signal stays ignored; the old handlers come back after."
-    if threading.current_thread() is not threading.main_thread(): yield; return
-    if _on_signal not in map(signal.getsignal, STOP_SIGNALS): _STATE.__dict__.update(signum=None, raised=False, combine_stopped=False, kept=None)   # a new run
-    old, armed = _install(_on_signal), _STATE.armed
-    _STATE.armed = True
-    try:
-        if _STATE.signum is not None: _STATE.raised = True; raise Interrupted(_STATE.signum)
-        yield
-    finally:
-        _STATE.armed = armed
-        for s, h in old.items():
-            if h is not None: signal.signal(s, h)
-
-# %% ../nbs/09_cli.ipynb #5e1a0006
-@contextlib.contextmanager
-def signals_wait():
-    "Within the block signals wait (a commit: a step's write, the close); one that came meanwhile is raised as the block ends, where the code was armed."
-    armed, _STATE.armed = _STATE.armed, False
-    try: yield
-    finally: _STATE.armed = armed
-    if armed and _STATE.signum is not None and not _STATE.raised: _STATE.raised = True; raise Interrupted(_STATE.signum)
-
-# %% ../nbs/09_cli.ipynb #5e1a0003
-def _stopped(prog:str, # the command's name
-             out:str=None, # a recording's OUT (None: the command records nothing)
-             e:BaseException=None, # the exception the signal raised, if any
-            )->SystemExit:
-    "Print the one line a signal ends a command with (a recording's says how many finished steps OUT kept, and where); its `SystemExit`: 128 + the first signal's number."
-    signum = _STATE.signum or getattr(e, 'signum', signal.SIGINT)
-    line = f"{prog}: interrupted"
-    if out is not None:
-        steps, where = _STATE.kept or (0, out)
-        line += f": kept {steps} finished step{'s' * (steps != 1)} in {where}"
-    print(line, file=sys.stderr, flush=True)
-    return SystemExit(128 + signum)
-
-# %% ../nbs/09_cli.ipynb #0132e515-s2
-def kebab_options(p:argparse.ArgumentParser)->argparse.ArgumentParser:
-    "`p` with every `--snake_case` option also taking the spelling `--kebab-case`: one argument, two option strings."
-    for a in p._actions:
-        for s in [s for s in a.option_strings if s.startswith('--') and '_' in s]:
-            k = s.replace('_', '-')
-            if k not in p._option_string_actions: a.option_strings.append(k); p._option_string_actions[k] = a
-    return p
-
-# %% ../nbs/09_cli.ipynb #0132e515-s3
-def _entry_point(frame)->bool:
-    "True when `frame` runs the top level of a file as `__main__` (an installed console script, `python file.py`), as `call_parse` decides."
-    g = frame.f_globals if frame is not None else {}
-    if frame is None or frame.f_locals is not g or g.get('__name__') != '__main__' or not g.get('__file__'): return False
-    return Path(g['__file__']).resolve() == Path(frame.f_code.co_filename).resolve()
-
-# %% ../nbs/09_cli.ipynb #0132e515-s4
-def command(func=None, *, records:bool=False):
-    "`fastcore.script.call_parse` with both spellings of every option: run as a console script it is `console(func)`; called, it is `func`. `records`: it records to its OUT argument."
-    if func is None: return functools.partial(command, records=records)
-    @functools.wraps(func)
-    def run(*args, **kwargs):
-        if args or kwargs or not _entry_point(inspect.currentframe().f_back): return func(*args, **kwargs)
-        try: return console(run)
-        finally: _install(signal.SIG_IGN)   # the command is over: in Python's teardown a signal gets its default action back, and would kill the exit
-    run.records = records
-    return run
-
-# %% ../nbs/09_cli.ipynb #0132e515-s6
-def console(cmd, # a `command`
-            argv:list=None, # its arguments (default: `sys.argv[1:]`)
-           ):
-    "Run `cmd` as its console script: parse `argv`, run it, and end a SIGINT or SIGTERM, wherever it comes, with one line and exit 130 / 143."
-    func, out = cmd.__wrapped__, None
-    prog = func.__name__.replace('_', '-')
-    try:
-        ns = vars(kebab_options(anno_parser(func, prog=prog)).parse_args(argv))
-        for k in ('pdb', 'xtra'): ns.pop(k, None)      # fastcore's hidden debugging options
-        if cmd.records: out = ns['out']
-        with stop_signals(): res = func(**ns)
-        if _STATE.signum is not None: raise Interrupted(_STATE.signum)   # one that code under it caught and dropped
-        return res
-    except (Interrupted, KeyboardInterrupt) as e: raise _stopped(prog, out, e) from None
 
 # %% ../nbs/09_cli.ipynb #617c831f
 PROBE_MAX_BATCH = dict(mnist=5000, minilm=8, transformer=4096)
