@@ -23,10 +23,10 @@ __all__ = ['KEYS', 'FINDINGS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_D
            'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING', 'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr',
            'tap_features', 'derived_features', 'rule_sparse', 'rule_quant', 'rule_spiky', 'rule_tokens',
            'rule_coherence', 'rule_deep_dump', 'rule_dead_channels', 'rule_outlier_channels', 'step_ratios',
-           'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary', 'cross_step', 'cross_table',
-           'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction', 'rule_windowed',
-           'rule_experts', 'infer_features', 'step_table', 'step_frame', 'drop_nonfinite_steps', 'rule_nonfinite',
-           'rule_constant', 'mine', 'drop_masked', 'collect_findings', 'confirm_low_rank']
+           'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary', 'cross_step', 'tap_stationary',
+           'cross_table', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction',
+           'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'step_frame', 'drop_nonfinite_steps',
+           'rule_nonfinite', 'rule_constant', 'mine', 'drop_masked', 'collect_findings', 'confirm_low_rank']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
@@ -296,8 +296,12 @@ def cross_step(sketches:pd.DataFrame, # tidy sketches
     usual = usual_steps(sketches)
     x = sketches[sketches.stat.isin(CROSS_STATS)].merge(usual, on=KEYS + ['step'])
     rng_ = x.groupby(KEYS + ['stat', 'idx'], observed=True).value.agg(['min', 'max', 'count', 'size'])
-    return cross_table(stationary(rng_).groupby(level=KEYS, observed=True).all(),
-                        usual.groupby(KEYS, observed=True).size(), step_matrix(sketches, 'chan_absmax', usual), seed)
+    return cross_table(tap_stationary(rng_), usual.groupby(KEYS, observed=True).size(), step_matrix(sketches, 'chan_absmax', usual), seed)
+
+def tap_stationary(rng_:pd.DataFrame, # `min`, `max`, `count`, `size` of each (tap, stat, idx) across the tap's usual steps
+                  )->pd.Series:
+    "Per tap, whether every one of its statistics is `stationary` across its usual steps."
+    return stationary(rng_).groupby(level=KEYS, observed=True).all()
 
 # %% ../nbs/03_miner.ipynb #57b6e8f5-s3
 def cross_table(stationary, steps, w, seed=0):

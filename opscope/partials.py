@@ -13,7 +13,7 @@ from .exploits import rules
 
 # %% auto #0
 __all__ = ['G', 'INFER_ROLES', 'SCALARS', 'finite_steps', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios',
-           'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'tap_matrix', 'valued_steps', 'stationary_taps',
+           'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'tap_matrix', 'valued_steps', 'tap_stationary',
            'tap_coherence', 'infer_table', 'findings_from_tables']
 
 # %% ../nbs/03b_partials.ipynb #d0589b83
@@ -110,11 +110,10 @@ def valued_steps(mats)->list:
     return sorted(set().union(*(m.columns for m in mats)))
 
 # %% ../nbs/03b_partials.ipynb #c705e1a1-s1
-def stationary_taps(rng:pd.DataFrame, # min, max, count, size of each (tap, stat, channel) over the tap's usual steps
+def tap_stationary(rng:pd.DataFrame, # min, max, count, size of each (tap, stat, channel) over the tap's usual steps
                    )->pd.Series:
-    "Per tap, whether every statistic is `miner.stationary` across its usual steps."
-    rng = as_strings(rng.reset_index(), _m.KEYS).set_index(_m.KEYS)
-    return _m.stationary(rng).groupby(level=_m.KEYS, observed=True).all()
+    "`miner.tap_stationary` of ranges reduced on workers, whose tap keys may arrive categorical: one key dtype first."
+    return _m.tap_stationary(as_strings(rng.reset_index(), _m.KEYS).set_index(_m.KEYS))
 
 def tap_coherence(w:pd.DataFrame, # `tap_matrix` of some taps
                   cols:list, # `valued_steps` of all the taps' matrices

@@ -394,7 +394,7 @@ def _dask_cross(base, usual, run, seed):
     taps = steps.index.to_frame(index=False)                 # tap code -> KEYS: the shuffle moves small integers, not key strings
     u = usual.merge(taps.assign(tap=np.arange(len(taps))), on=K).astype({k: base[k].dtype for k in K})
     rng_ = base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max', 'count', 'size'], split_out=1)
-    same = dask.delayed(P.stationary_taps)(rng_)
+    same = dask.delayed(P.tap_stationary)(rng_)
     ca = base.map_partitions(P.usual_rows, u, ['chan_absmax'])[['tap', 'idx', 'step', 'value']].shuffle(on='tap')   # a tap's series in one partition
     mats = [dask.delayed(P.tap_matrix)(p, taps) for p in ca.to_delayed()]
     cols = dask.delayed(P.valued_steps)(mats)

@@ -1,4 +1,4 @@
-import os, subprocess, sys
+import os, subprocess, sys, warnings
 import pytest, torch
 
 torch.set_num_threads(1)
@@ -7,6 +7,15 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
 def pytest_configure(config):
     config.addinivalue_line('markers', 'slow: takes more than a few seconds; the fast loop (`pytest -m "not slow" tests`) skips it')
+
+
+def read_with_warnings(out):
+    "(the sketches at `out`, the messages of the warnings reading them raised): what a reader of a killed run's output sees."
+    from opscope.tables import read_sketches
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        df = read_sketches(out)
+    return df, [str(x.message) for x in w]
 
 
 def run_cli(*args, cwd=None):

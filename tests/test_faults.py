@@ -1,10 +1,11 @@
 "Fault injection: every recording CLI killed (SIGINT, SIGTERM, SIGKILL) mid-run into CSV, Parquet and a dataset; a full disk; hostile arguments; every numeric argument held to the range its --help states (signals at the edges: test_signals.py)."
-import contextlib, errno, inspect, io, os, random, re, signal, subprocess, sys, textwrap, time, warnings
+import contextlib, errno, inspect, io, os, random, re, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import read_with_warnings
 import torch
 
 from opscope import cli
@@ -51,13 +52,6 @@ def _committed(out, fmt):
         return log.read_text().count('\n') if log.exists() else 0
     if fmt == 'parquet': return len(list(p.with_name(p.name + '.parts').glob('part-*.parquet')))
     return len(list(p.rglob('part-*.parquet'))) if p.exists() else 0
-
-
-def _read(out):
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter('always')
-        df = read_sketches(out)
-    return df, [str(x.message) for x in w]
 
 
 def _rows_per_step(df):
@@ -114,7 +108,7 @@ def test_killed_cli_keeps_every_finished_step(killed_runs, k):
     assert j['sent'] is not None, f"{what}: never committed {MIN_STEPS} steps: {j['stderr'][-1000:]}"
     assert j['rc'] == EXIT[j['sig']], f"{what}: exit {j['rc']}: {j['stderr'][-1000:]}"
     assert 'Traceback' not in j['stderr'], f"{what}: {j['stderr'][-2000:]}"
-    df, warned = _read(j['out'])
+    df, warned = read_with_warnings(j['out'])
     steps = _rows_per_step(df)
     assert len(steps) >= MIN_STEPS, what
     print(f"{what}: {len(steps)} whole steps kept ({steps.sum():,} rows)")
@@ -166,7 +160,7 @@ def test_stale_parts_never_mix(tmp_path):
         record(m, xs, run_id='old', sink=out)
         rec = Recorder(out)
         record(m, xs[:1], run_id='new', sink=rec)        # one step written, then "killed": never closed
-        df, _ = _read(out)
+        df, _ = read_with_warnings(out)
         assert df.run_id.unique().tolist() == ['new'] and df.step.unique().tolist() == [0], fmt
         rec.close()
 
@@ -204,7 +198,7 @@ def test_full_disk(tmp_path, small_disk, monkeypatch, capsys, fmt):
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert err.count('\n') == 1 and 'No space left on device' in err and 'Traceback' not in err, err
-    df, _ = _read(out)
+    df, _ = read_with_warnings(out)
     sizes = _rows_per_step(df)
     assert len(sizes) >= 1 and sizes.iloc[1:].nunique() <= 1          # prefill, then decode steps, all whole
     if len(sizes) > 1: assert sizes.loc[('seq', 1)] == sizes.iloc[-1]

@@ -4,14 +4,15 @@ records nothing. Every one ends with the "kept N steps" line (or "interrupted") 
 
 Most runs are forked from a server that imported opscope once (`Child`), so that a run costs its work, not a torch
 import; the start-up cases run a console script in a fresh interpreter, since the import is what they test."""
-import multiprocessing as mp, os, re, signal, subprocess, sys, time, warnings
+import multiprocessing as mp, os, re, signal, subprocess, sys, time
 from pathlib import Path
 
 import pytest
+from conftest import read_with_warnings
 import torch
 
 from opscope import cli
-from opscope.recorder import read_sketches, record, COMMIT_SUFFIX
+from opscope.recorder import record, COMMIT_SUFFIX
 
 _CTX = mp.get_context('forkserver')
 _CTX.set_forkserver_preload(['opscope.cli', 'test_signals'])   # the server imports these once; each run is a fork of it
@@ -118,13 +119,6 @@ def _kept(err):
     return int(m.group(1)), m.group(2)
 
 
-def _read(out):
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter('always')
-        df = read_sketches(out)
-    return df, [str(x.message) for x in w]
-
-
 def _no_temp(out):
     p = Path(out)
     return not [q.name for q in p.parent.iterdir() if q.name.startswith(f'.{p.name}.')]
@@ -226,7 +220,7 @@ def test_second_signal_while_closing_waits(second_signal, fmt):
     assert c.rc == 143 and 'Traceback' not in c.err, c.err[-2000:]
     kept, where = _kept(c.err)
     assert where == str(out) and kept >= 3
-    df, warned = _read(out)
+    df, warned = read_with_warnings(out)
     assert df.step.nunique() == kept and not warned, warned
     p = Path(out)
     assert not p.with_name(p.name + '.parts').exists() and not p.with_name(p.name + COMMIT_SUFFIX).exists() and _no_temp(out)
@@ -240,7 +234,7 @@ def test_signal_in_the_final_combine(tmp_path, capsys):
     kept, where = _kept(c.err)
     assert kept == 4 and where == f'{out}.parts' and f'combining them into {out}' in _last(c.err), _last(c.err)
     assert not out.exists() and _parts_steps(out) == 4 and _no_temp(out)
-    df, warned = _read(out)
+    df, warned = read_with_warnings(out)
     assert df.step.nunique() == 4 and 'reading the parts of an interrupted run' in warned[0]
     cli.opscope_mine(str(out))                                   # opscope-mine reads them too
     assert 'reading the parts' in capsys.readouterr().err
@@ -254,7 +248,7 @@ def test_second_signal_in_the_combine_of_an_interrupted_run(tmp_path):
     assert c.rc == 143 and 'Traceback' not in c.err, c.err[-2000:]
     kept, where = _kept(c.err)
     assert where == f'{out}.parts' and kept == _parts_steps(out) >= 3
-    assert _read(out)[0].step.nunique() == kept
+    assert read_with_warnings(out)[0].step.nunique() == kept
 
 
 def test_signal_at_the_end_still_stops(tmp_path):
@@ -263,7 +257,7 @@ def test_signal_at_the_end_still_stops(tmp_path):
     c = Child('opscope_record', [out, *_tiny(tmp_path, 'short')], tmp_path / 'log', [('signal_at_close', signal.SIGTERM)]).wait()
     assert c.rc == 143 and 'Traceback' not in c.err, c.err[-2000:]
     assert _kept(c.err) == (4, str(out))
-    df, warned = _read(out)
+    df, warned = read_with_warnings(out)
     assert df.step.nunique() == 4 and not warned
 
 
@@ -274,13 +268,13 @@ def test_sigkill_in_the_combine_then_force(tmp_path, capsys):
     assert c.rc == -signal.SIGKILL
     temps = [q.name for q in tmp_path.iterdir() if re.fullmatch(r'\.o\.parquet\.[a-z0-9_]{8}\.parquet', q.name)]
     assert len(temps) == 1 and _parts_steps(out) == 4 and not out.exists(), sorted(q.name for q in tmp_path.iterdir())
-    assert _read(out)[0].step.nunique() == 4
+    assert read_with_warnings(out)[0].step.nunique() == 4
     with pytest.raises(SystemExit) as e: cli.opscope_record(str(out), model=f'{tmp_path}/tiny.py:short')
     err = capsys.readouterr().err
     assert e.value.code == 2 and temps[0] in err and 'pass --force' in err, err
     cli.opscope_record(str(out), model=f'{tmp_path}/tiny.py:short', force=True)
     assert _no_temp(out) and not Path(f'{out}.parts').exists()
-    df, warned = _read(out)
+    df, warned = read_with_warnings(out)
     assert sorted(df.step.unique()) == [0, 1, 2, 3] and not warned
 
 
