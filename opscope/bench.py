@@ -20,11 +20,14 @@ from .recorder import record
 from .miner import mine
 from .scale import mine_duckdb
 from .online import OnlineRecorder
+from .plan import read_csv_table, as_numbers
+from .tables import InputError
 
 # %% auto #0
-__all__ = ['SIZES', 'GOALS', 'INFO', 'bench_model', 'hist_sample_error', 'overhead_table', 'like_for_like', 'sketch_profile',
-           'online_table', 'scaling_table', 'tiled_sketches', 'miner_throughput', 'bench_report', 'goal_table',
-           'machine_info', 'save_report', 'load_report', 'run_label', 'goals_by_run', 'planted_check']
+__all__ = ['SIZES', 'GOALS', 'REPORT_TEXT', 'REPORT_NEEDS', 'REPORT_KEYS', 'INFO', 'bench_model', 'hist_sample_error',
+           'overhead_table', 'like_for_like', 'sketch_profile', 'online_table', 'scaling_table', 'tiled_sketches',
+           'miner_throughput', 'bench_report', 'goal_table', 'machine_info', 'save_report', 'load_report', 'run_label',
+           'goals_by_run', 'planted_check']
 
 # %% ../nbs/11_bench.ipynb #b006ench
 SIZES = dict(online=dict(layers=4, d=512, seq=128, batch=2),   # OnlineRecorder goal
@@ -488,10 +491,24 @@ def save_report(rep:dict, path):
     info = machine_info()
     with atomic_write(path) as tmp: pd.concat([t.assign(table=k, **info) for k, t in rep.items()], ignore_index=True).to_csv(tmp, index=False)
 
-def load_report(path)->dict:
-    "The tables of a report saved by `save_report`."
-    df = pd.read_csv(path)
-    return {k: g.drop(columns='table').dropna(axis=1, how='all').reset_index(drop=True) for k, g in df.groupby('table', sort=False)}
+REPORT_TEXT = ('table', 'method', 'weights', 'cpu', 'isa', 'torch', 'when', 'op', 'engine')   # a report's text columns; every other one is a number
+REPORT_NEEDS = {'eager': ('method', 'ms', 'ratio'), 'online': ('every', 'nominal_ratio')}   # what `goal_table` and `run_label` read
+REPORT_KEYS = {'eager': 'method', 'compiled': 'method', 'online': 'every', 'online_compiled': 'every', 'miner': 'engine'}   # one row each
+
+def load_report(path, # a CSV saved by `save_report` (`opscope-bench --out`)
+               )->dict:
+    "The tables of a report saved by `save_report`, checked (numbers are numbers, the tables `goal_table` reads are there, one row per method): else one `InputError` naming file, line and column."
+    df = read_csv_table(path, 'a benchmark report', ['table'])
+    df = as_numbers(df, path, [c for c in df.columns if c not in REPORT_TEXT])
+    rep = {k: g.drop(columns='table').replace('', np.nan).dropna(axis=1, how='all').reset_index(drop=True) for k, g in df.groupby('table', sort=False)}
+    for k, cols in REPORT_NEEDS.items():
+        if k not in rep: raise InputError(f"{path}: no {k!r} table (a report saved by save_report has one)")
+        missing = [c for c in cols if c not in rep[k] or rep[k][c].isna().any()]
+        if missing: raise InputError(f"{path}: the {k!r} table lacks {', '.join(repr(c) for c in missing)} in some row")
+    for k, key in REPORT_KEYS.items():
+        if k in rep and key in rep[k] and rep[k][key].duplicated().any():
+            raise InputError(f"{path}: the {k!r} table has {key} {rep[k][key][rep[k][key].duplicated()].iloc[0]!r} twice")
+    return rep
 
 INFO = ('host_cpus', 'cpu', 'isa', 'load1', 'torch', 'when')   # the columns `save_report` adds to every table
 

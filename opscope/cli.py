@@ -4,36 +4,36 @@
 
 # %% ../nbs/09_cli.ipynb #d15a85aa
 from __future__ import annotations
-import contextlib, inspect, math, os, re, signal, sys, tempfile, warnings
+import contextlib, inspect, math, os, re, signal, sys, warnings
 from pathlib import Path
 from .harness import (Interrupted, CliError, cli_errors, stop_signals, signals_wait, kebab_options, command, console,
+                             check_whole_out, _probe_writable,
                              _STATE, _stopped)   # first: a console script's signals are opscope's before the slow imports
 
 # %% auto #0
 __all__ = ['PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX', 'SWEEP_MAX_STEPS',
            'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS', 'MAX_NEW_TOKENS',
            'NEW_TOKENS_WHY', 'BENCH_MAX_ROWS', 'BENCH_ROW_BYTES', 'SPECIALIZE_MAX_BATCH', 'opscope_probe',
-           'opscope_shapes', 'check_recording_out', 'recording', 'check_whole_out', 'in_range', 'positive',
-           'machine_memory', 'fits_memory', 'gemm_memory', 'check_gemm_memory', 'opscope_sweep', 'format_findings',
-           'opscope_mine', 'record_to', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow',
-           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'opscope_record',
-           'opscope_specialize']
+           'opscope_shapes', 'check_recording_out', 'recording', 'in_range', 'positive', 'machine_memory',
+           'fits_memory', 'gemm_memory', 'check_gemm_memory', 'opscope_sweep', 'record_to', 'opscope_seq',
+           'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview', 'opscope_plan',
+           'opscope_infer', 'opscope_bench', 'decode_options', 'opscope_record', 'opscope_specialize']
 
 # %% ../nbs/09_cli.ipynb #d15a85aa-s2
 import numpy as np, pandas as pd
+from .mine_cli import format_findings, opscope_mine   # `opscope-mine` itself runs from mine_cli, without torch
 from fastcore.script import Param
 from .tables import atomic_write
 from .zoo import MODELS, INFER_MODELS, model_names, get_model, infer_workload
 from .recorder import Recorder, COMMIT_SUFFIX, record, read_sketches, sweep, SWEEP_SHAPES
-from .miner import mine, confirm_low_rank, step_table, drop_nonfinite_steps, KEYS, INFER_EXPLOITS
+from .miner import mine, confirm_low_rank, KEYS, INFER_EXPLOITS
 from .probe import model_tensors, probe, probe_report, save_tensors, sweep_ranks, PROBE_MODELS
 from .shapes import shapes_model, op_costs, roofline, shapes_report
 from .flow import zoo_graph, op_motifs, dataflow_motifs, load_graph
-from .scale import mine_duckdb, mine_dask, select_sketches
-from .plan import plan, format_plan, format_channels, planned
+from .plan import plan, format_plan, planned
 from .docs import docs_preview
 from .bench import bench_report, goal_table, save_report
-from .runners import load_factory, load_hf, read_prompts, record_hf
+from .runners import load_factory, load_hf, read_prompts, record_hf, VECTOR_STATS
 from .specialize import specialize_model, format_report
 
 # %% ../nbs/09_cli.ipynb #617c831f
@@ -99,12 +99,6 @@ def opscope_shapes(model:Param(f"{', '.join(model_names('shapes'))}, or a torchv
 
 # %% ../nbs/09_cli.ipynb #2b37da4e
 RECORDING_SUFFIXES = ('.csv', '.parquet')    # or a dataset directory: a trailing `/` or no extension
-
-def _probe_writable(folder:Path):
-    "Create and remove a file in `folder`, so an unwritable output fails before any work, naming the folder."
-    try:
-        with tempfile.TemporaryFile(dir=folder): pass
-    except OSError as e: raise CliError(f"{folder}: cannot write there ({e.strerror or e})") from None
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s1
 def _temp_files(p:Path)->list:
@@ -176,20 +170,6 @@ def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
         finally: _close(rec, out)
         if _STATE.signum is not None: raise _stopped(prog, out)
 
-# %% ../nbs/09_cli.ipynb #2b37da4e-s6
-def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_write`
-                    suffix:str='.csv', # the extension it must have
-                   )->Path:
-    "OUT for a findings or plan table, refused up front when it has the wrong extension, is a folder (or ends in /) or its folder cannot be written."
-    p = Path(out)
-    if str(out).endswith(('/', os.sep)): raise CliError(f"{out}: a {suffix} file's path cannot end in /")
-    if p.suffix.lower() != suffix: raise CliError(f"{out}: --out must be a {suffix} file")
-    parent = p.parent if p.parent != Path('') else Path('.')
-    if not parent.is_dir(): raise CliError(f"{out}: folder {parent} does not exist")
-    if p.is_dir(): raise CliError(f"{out} is a folder, not a {suffix} file")
-    _probe_writable(parent)
-    return p
-
 # %% ../nbs/09_cli.ipynb #2b37da4e-s7
 def in_range(name:str, # the argument, as the user types it (`--steps`, `LAYERS`)
              value, lo=None, hi=None, # inclusive bounds (None: open)
@@ -255,59 +235,6 @@ def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or 
             r = sweep(rec, steps=steps, seed=seed, progress=not quiet)
         print(f"wrote {r.rows:,} rows: {len(r.run_ids)} runs × {steps} steps, "
               f"{len(SWEEP_SHAPES)} shapes, every run gated → {out}")
-
-# %% ../nbs/09_cli.ipynb #ae09cec3
-def format_findings(findings, sketches=None)->str:
-    "Aligned text, one line per tap: its density, then every finding (channel findings list their channels)."
-    keys = KEYS
-    notes = {}
-    for k, g in findings.groupby(keys + ['exploit'], sort=False):
-        where = f" [ch {format_channels(g.idx)}]" if (g.idx >= 0).any() else ''
-        details = '; '.join(dict.fromkeys(g.detail))     # e.g. coherence within a call and across steps
-        notes.setdefault(tuple(map(str, k[:4])), []).append(details + where)
-    cs = findings.attrs.get('cross_step')
-    drift = {} if cs is None else {tuple(map(str, k)): ('stationary' if r.stationary else f'drift {r.drift:.0%}/step')
-                                   for k, r in cs.iterrows() if r.steps >= 2}
-    if sketches is not None:
-        every = [tuple(map(str, k)) for k in sketches[sketches.stat == 'density'].groupby(keys, observed=True).size().index]
-        clean = drop_nonfinite_steps(sketches, step_table(sketches))   # a NaN/Inf step's density describes NaN-zeroed data
-        dens = {tuple(map(str, k)): v for k, v in clean[clean.stat == 'density'].groupby(keys, observed=True).value.mean().items()}
-        taps = [(k, (f'density {dens[k]:.3f}' if k in dens else 'density     -') + (f'  {drift[k]}' if k in drift else ''))
-                for k in every]
-    else: taps = [(k, '') for k in notes]
-    if not taps: return 'no findings'
-    order = {'lhs': 0, 'rhs': 1, 'out': 2}
-    taps.sort(key=lambda t: (t[0][0], t[0][2], order.get(t[0][3], 9)))
-    rows = [(*k, d, ('→ ' + '; '.join(notes[k])) if k in notes else '…') for k, d in taps]
-    w = [max(len(r[i]) for r in rows) for i in range(5)]
-    return '\n'.join('  '.join([c.ljust(w[i]) for i, c in enumerate(r[:5])] + [r[5]]) for r in rows)
-
-# %% ../nbs/09_cli.ipynb #6de96b55
-@command
-def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet dataset directory, from opscope-sweep / record
-                 out:str=None, # also write the findings table here (.csv)
-                 engine:str='pandas', # pandas (in memory), duckdb (out of core: sketches larger than memory) or dask (a cluster)
-                 scheduler:str=None, # with --engine dask: a Dask scheduler address (default: a local cluster for this run)
-                ):
-    "Mine a sketches file or dataset and print its findings as aligned text."
-    with cli_errors('opscope-mine'):
-        if engine not in ('pandas', 'duckdb', 'dask'): raise CliError(f"--engine must be pandas, duckdb or dask, not {engine!r}")
-        if scheduler is not None and engine != 'dask': raise CliError("--scheduler needs --engine dask")
-        if out is not None: check_whole_out(out)
-        if engine == 'duckdb':
-            found, df = mine_duckdb(inp), select_sketches(inp, ['density'])   # only the rows the report prints
-        elif engine == 'dask':
-            found = mine_dask(inp, client=scheduler, rows=('density',)); df = found.attrs.pop('rows')
-        else:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter('always')
-                df = read_sketches(inp)
-            for w in caught: print(f"opscope-mine: warning: {w.message}", file=sys.stderr)
-            found = mine(df)
-        print(format_findings(found, df))
-        if out is not None:
-            with atomic_write(out) as tmp: found.to_csv(tmp, index=False)
-            print(f"\n{len(found)} findings → {out}")
 
 # %% ../nbs/09_cli.ipynb #0bcbd99c
 def record_to(out:str, # OUT: a .csv or .parquet file, or a dataset directory
@@ -478,12 +405,16 @@ def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or 
                   hf:str=None, # a local Hugging Face folder instead (with --prompts); --model may also be FILE.py:FACTORY
                   prompts:str=None, # with --hf: a text file, one prompt per line
                   max_new_tokens:int=8, # with --hf and a decoder: tokens generated (1 to 4,096)
+                  every:int=1, # with --hf and a decoder: record the prefill and every N-th decode step (1 to 4,096)
+                  vectors:str=None, # with --hf and a decoder: the vector stats to keep, comma-separated, or none (default: all)
                  ):
     "Record attention and routing dynamics of the zoo transformer and MoE and the real MiniLM to OUT; print the findings."
     with cli_errors('opscope-infer'):
         in_range('--steps', steps, 1, INFER_MAX_STEPS, "every row is kept in memory to mine at the end")
         in_range('--max-new-tokens', max_new_tokens, 1, MAX_NEW_TOKENS, NEW_TOKENS_WHY)
-        if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens, force)
+        every, vectors = decode_options(every, vectors, max_new_tokens)
+        if hf or (model and ':' in model): return _infer_user(out, model, hf, prompts, max_new_tokens, force, every, vectors)
+        if every != 1 or vectors is not None: raise CliError("--every and --vectors go with --hf and a decoder")
         if model is not None and model not in INFER_MODELS: raise CliError(f"unknown model {model!r}; choose one of {', '.join(INFER_MODELS)}")
         check_recording_out(out, force)
         names = [model] if model else list(INFER_MODELS)
@@ -524,13 +455,31 @@ def opscope_bench(full:bool=False, # the goal sizes (minutes: compiles with torc
             print(f"wrote {p}")
 
 # %% ../nbs/09_cli.ipynb #f374fc4b
-def _user_job(model, hf, prompts, max_new_tokens, keep):
+def decode_options(every:int, # --every: record the prefill and every N-th decode step
+                   vectors:str, # --vectors: a comma-separated list of `runners.VECTOR_STATS`, `none`, or None (all)
+                   max_new_tokens:int, # --max-new-tokens
+                  )->tuple:
+    "`(every, vectors)` for `record_generate`, checked: `every` in range, `vectors` a tuple of known names (`()` for `none`) or None."
+    in_range('--every', every, 1, MAX_NEW_TOKENS, "one in N decode steps is recorded; past --max-new-tokens, only the prefill")
+    if vectors is None: return every, None
+    names = tuple(dict.fromkeys(v.strip() for v in vectors.split(',') if v.strip()))
+    if names == ('none',): return every, ()
+    bad = [v for v in names if v not in VECTOR_STATS]
+    if bad or not names:
+        raise CliError(f"--vectors {vectors!r}: unknown stat(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(VECTOR_STATS)}, or none")
+    return every, names
+
+def _user_job(model, hf, prompts, max_new_tokens, keep, every=1, vectors=None):
     "`(name, run)` for --model FILE.py:FACTORY or --hf DIR --prompts FILE, checked: `run(sink)` records into the sink."
     if (model is None) == (hf is None): raise CliError("give one of --model FILE.py:FACTORY or --hf DIR")
+    sampled = every != 1 or vectors is not None
     if hf is not None:
         if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
         texts, loaded = read_prompts(prompts), load_hf(hf)      # loaded once, before OUT is touched
-        return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens, loaded=loaded, keep=keep)
+        if sampled and not loaded[2]: raise CliError(f"{hf}: an encoder records every batch whole; --every and --vectors go with a decoder")
+        return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens, loaded=loaded, keep=keep,
+                                                     every=every, vectors=vectors)
+    if sampled: raise CliError("--every and --vectors go with --hf and a decoder (a factory's batches are each recorded whole)")
     m, batches = load_factory(model)
     name = model.rpartition(':')[2]
     return name, lambda sink: record(m, batches, run_id=name, sink=sink, progress=True, keep=keep)
@@ -549,20 +498,23 @@ def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a datase
                    prompts:str=None, # with --hf: a text file, one prompt per line
                    max_new_tokens:int=8, # with --hf and a decoder: tokens generated, one recorded step each (1 to 4,096)
                    force:bool=False, # replace an existing OUT
+                   every:int=1, # with --hf and a decoder: record the prefill and every N-th decode step, the rest run plain (1 to 4,096)
+                   vectors:str=None, # with --hf and a decoder: the vector stats to keep, comma-separated, or none (default: all; the channel and row stats that give shapes always stay)
                   ):
     "Record a user's model to OUT: a factory's batches, or a local Hugging Face model on prompts (decoders through generate)."
     with cli_errors('opscope-record'):
         in_range('--max-new-tokens', max_new_tokens, 1, MAX_NEW_TOKENS, NEW_TOKENS_WHY)
+        every, vectors = decode_options(every, vectors, max_new_tokens)
         check_recording_out(out, force)              # before the model is loaded
-        name, run = _user_job(model, hf, prompts, max_new_tokens, keep=False)
+        name, run = _user_job(model, hf, prompts, max_new_tokens, keep=False, every=every, vectors=vectors)
         with recording(out, 'opscope-record', force) as rec: r = run(rec)
         print(f"{name}: wrote {_counts(r)} → {out}")
 
 # %% ../nbs/09_cli.ipynb #f374fc4b-s3
-def _infer_user(out, model, hf, prompts, max_new_tokens, force):
+def _infer_user(out, model, hf, prompts, max_new_tokens, force, every=1, vectors=None):
     "`opscope-infer` on a user's model: record it to OUT and print the attention and routing findings."
     check_recording_out(out, force)
-    name, run = _user_job(model, hf, prompts, max_new_tokens, keep=True)
+    name, run = _user_job(model, hf, prompts, max_new_tokens, keep=True, every=every, vectors=vectors)
     with recording(out, 'opscope-infer', force) as rec: df = run(rec)
     roles = df.drop_duplicates(['site', 'role']).role.value_counts()
     print(f"{name}: {df.step.nunique()} steps, gate passed, {df.site.nunique()} sites ({roles.get('attn', 0)} softmax, "

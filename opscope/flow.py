@@ -11,13 +11,14 @@ from pathlib import Path
 import pandas as pd
 from .zoo import get_model, model_names
 from .tables import InputError, atomic_write
+from .probe import json_depth
 
 
 # %% auto #0
-__all__ = ['OP_ALIASES', 'ONNX_ALIASES', 'STRUCTURAL_OPS', 'GRAPH_FORMATS', 'MATMUL_OPS', 'ACTIVATION_OPS', 'EPILOGUE_OPS',
-           'COMMUTATIVE_OPS', 'LABELS', 'normalize_op', 'GraphError', 'OpNode', 'OpGraph', 'from_fx', 'zoo_graph',
-           'from_export', 'from_onnx', 'read_edgelist', 'write_edgelist', 'load_graph', 'op_motifs', 'motif_label',
-           'dataflow_motifs']
+__all__ = ['OP_ALIASES', 'ONNX_ALIASES', 'STRUCTURAL_OPS', 'MAX_EDGELIST_BYTES', 'GRAPH_FORMATS', 'MATMUL_OPS', 'ACTIVATION_OPS',
+           'EPILOGUE_OPS', 'COMMUTATIVE_OPS', 'LABELS', 'normalize_op', 'GraphError', 'OpNode', 'OpGraph', 'from_fx',
+           'zoo_graph', 'from_export', 'from_onnx', 'read_edgelist', 'write_edgelist', 'load_graph', 'op_motifs',
+           'motif_label', 'dataflow_motifs']
 
 # %% ../nbs/04_flow.ipynb #3e120c5d
 OP_ALIASES = {
@@ -208,17 +209,29 @@ def zoo_graph(kind:str='transformer', # a registered model that flow takes: `zoo
 def _tensor_names(arg):
     "Every tensor name referenced in a serialized argument, in order (`as_tensor`, `as_tensors`, optional ones)."
     if isinstance(arg, dict):
-        if 'as_tensor' in arg and isinstance(arg['as_tensor'], dict): return [arg['as_tensor']['name']]
+        if 'as_tensor' in arg and isinstance(arg['as_tensor'], dict):
+            name = arg['as_tensor'].get('name')
+            if not isinstance(name, str): raise InputError(f"a tensor named {name!r}, not by a string")
+            return [name]
         return [n for v in arg.values() for n in _tensor_names(v)]
     if isinstance(arg, list): return [n for v in arg for n in _tensor_names(v)]
     return []
 
+MAX_PROGRAM_BYTES = 256 * 2**20   # the JSON program of a .pt2 (weights apart): larger is not a graph opscope reads
+MAX_PROGRAM_DEPTH = 256           # its nesting, checked before parsing (torch.export writes under 20)
+
 def _pt2_program(path):
-    "The JSON program inside a `.pt2` archive (no weights are read)."
+    "The JSON program inside a `.pt2` archive (no weights are read), its size and nesting checked before it is parsed."
     with zipfile.ZipFile(path) as z:
         names = [n for n in z.namelist() if re.search(r'(^|/)models/[^/]+\.json$', n)]
         if not names: raise InputError('no models/*.json program in the archive')
-        return json.loads(z.read(sorted(names, key=lambda n: not n.endswith('/model.json'))[0]))
+        info = z.getinfo(sorted(names, key=lambda n: not n.endswith('/model.json'))[0])
+        if info.file_size > MAX_PROGRAM_BYTES: raise InputError(f"its program {info.filename} unpacks to {info.file_size:,} bytes (at most {MAX_PROGRAM_BYTES:,})")
+        raw = z.read(info)
+    if json_depth(raw) > MAX_PROGRAM_DEPTH: raise InputError(f"its program nests deeper than {MAX_PROGRAM_DEPTH} levels")
+    prog = json.loads(raw)
+    if not isinstance(prog, dict): raise InputError(f"its program is a JSON {type(prog).__name__}, not an object")
+    return prog
 
 
 # %% ../nbs/04_flow.ipynb #93be71be
@@ -318,7 +331,7 @@ def from_onnx(model, # an `onnx.ModelProto`, or the path of a `.onnx` file
 
 # %% ../nbs/04_flow.ipynb #a8259007
 _OP_RE = re.compile(r'^[A-Za-z_][A-Za-z0-9_.:]*$')
-_ID_RE = re.compile(r'^[^\s#=]+$')
+_ID_RE = re.compile(r'^[^\s#=\x00-\x1f\x7f]+$')   # no spaces, '#', '=' or control characters
 
 def _parse_line(tokens, where):
     if len(tokens) < 2: raise GraphError(f"{where}: expected 'ID OP [INPUT_ID ...]', got {' '.join(tokens)!r}")
@@ -326,7 +339,8 @@ def _parse_line(tokens, where):
     if tokens[-1].startswith('shape='):
         txt = tokens.pop()[6:]
         try: shape = tuple(int(d) for d in txt.split(',') if d)
-        except ValueError: raise GraphError(f"{where}: cannot read shape {txt!r} (want e.g. shape=4,32,64)") from None
+        except ValueError: raise GraphError(f"{where}: cannot read shape {txt[:40]!r} (want e.g. shape=4,32,64)") from None
+        if any(d < -1 for d in shape): raise GraphError(f"{where}: shape {txt[:40]!r} has a size below -1 (-1: unknown)")
     nid, op, ins = tokens[0], tokens[1], tokens[2:]
     if not _OP_RE.match(op): raise GraphError(f"{where}: cannot read op {op!r} of node {nid!r}")
     for t in [nid] + ins:
@@ -334,13 +348,19 @@ def _parse_line(tokens, where):
     return OpNode(nid, normalize_op(op), op, tuple(ins), shape)
 
 # %% ../nbs/04_flow.ipynb #2176e35c
+MAX_EDGELIST_BYTES = 256 * 2**20   # an edge list this large (millions of nodes) is past what the motif passes are for
+
 def read_edgelist(path, # a text file: one `ID OP [INPUT_ID ...] [shape=...]` line per node
                  )->OpGraph:
     "Read the plain edge-list format into an `OpGraph`; a bad line raises `GraphError` naming file and line."
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"{path}: no such file")
-    try: text = path.read_text()
-    except UnicodeDecodeError as e: raise GraphError(f"{path}: not a text edge list ({e.reason})") from None
+    if not path.is_file(): raise GraphError(f"{path}: a folder, not an edge list")
+    if path.stat().st_size > MAX_EDGELIST_BYTES: raise GraphError(f"{path}: {path.stat().st_size:,} bytes, more than an edge list opscope reads (at most {MAX_EDGELIST_BYTES:,})")
+    raw = path.read_bytes()
+    if b'\0' in raw: raise GraphError(f"{path}:{raw.count(10, 0, raw.index(0)) + 1}: a NUL byte, so a binary file, not a text edge list")
+    try: text = raw.decode('utf-8')
+    except UnicodeDecodeError as e: raise GraphError(f"{path}:{raw.count(10, 0, e.start) + 1}: not a text edge list (not UTF-8: {e.reason})") from None
     nodes, lines = [], {}
     for k, line in enumerate(text.splitlines(), 1):
         tokens = line.split('#', 1)[0].split()
@@ -414,11 +434,11 @@ def op_motifs(g:OpGraph, # the graph
     for i, op in enumerate(g.ops):
         if op in STRUCTURAL_OPS or not data[i]: ends[i] = {}; continue
         cur = {1: Counter({(op,): 1})}
-        for u in set(g.ins[i]):
+        for u, times in Counter(g.ins[i]).items():       # an input read twice extends its chains twice
             for L, c in ends[u].items():
                 if L >= max_len: continue
                 d = cur.setdefault(L + 1, Counter())
-                for m, k in c.items(): d[m + (op,)] += k * g.ins[i].count(u)
+                for m, k in c.items(): d[m + (op,)] += k * times
         ends[i] = cur
         for L, c in cur.items():
             if L >= 2: total.update(c)

@@ -4,12 +4,12 @@
 
 # %% ../nbs/09a_harness.ipynb #b3432507
 from __future__ import annotations
-import argparse, contextlib, functools, inspect, signal, sys, threading, types
+import argparse, contextlib, functools, inspect, os, signal, sys, tempfile, threading, types
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['STOP_SIGNALS', 'EXPECTED_ERRORS', 'Interrupted', 'CliError', 'cli_errors', 'stop_signals', 'signals_wait',
-           'kebab_options', 'command', 'console']
+__all__ = ['STOP_SIGNALS', 'EXPECTED_ERRORS', 'Interrupted', 'CliError', 'cli_errors', 'check_whole_out', 'stop_signals',
+           'signals_wait', 'kebab_options', 'command', 'console']
 
 # %% ../nbs/09a_harness.ipynb #d15a85aa-s1
 class Interrupted(BaseException):
@@ -72,6 +72,27 @@ def cli_errors(prog:str): # the command's name, printed before the message
     except EXPECTED_ERRORS as e:
         print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
+
+# %% ../nbs/09a_harness.ipynb #dca96366
+def _probe_writable(folder:Path):
+    "Create and remove a file in `folder`, so an unwritable output fails before any work, naming the folder."
+    try:
+        with tempfile.TemporaryFile(dir=folder): pass
+    except OSError as e: raise CliError(f"{folder}: cannot write there ({e.strerror or e})") from None
+
+# %% ../nbs/09a_harness.ipynb #bdb9872d
+def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_write`
+                    suffix:str='.csv', # the extension it must have
+                   )->Path:
+    "OUT for a findings or plan table, refused up front when it has the wrong extension, is a folder (or ends in /) or its folder cannot be written."
+    p = Path(out)
+    if str(out).endswith(('/', os.sep)): raise CliError(f"{out}: a {suffix} file's path cannot end in /")
+    if p.suffix.lower() != suffix: raise CliError(f"{out}: --out must be a {suffix} file")
+    parent = p.parent if p.parent != Path('') else Path('.')
+    if not parent.is_dir(): raise CliError(f"{out}: folder {parent} does not exist")
+    if p.is_dir(): raise CliError(f"{out} is a folder, not a {suffix} file")
+    _probe_writable(parent)
+    return p
 
 # %% ../nbs/09a_harness.ipynb #5e1a0002
 @contextlib.contextmanager

@@ -6,12 +6,11 @@
 from __future__ import annotations
 import numpy as np
 import pandas as pd
-from .tables import InputError, MINE_COLS, require_columns, as_strings, read_sketches
+from .tables import InputError, MINE_COLS, require_columns, as_strings, read_sketches, vet_sketches
 from functools import partial
 from .exploits import (REGISTRY, Exploit, Rule, register, rules, guard_dead, guard_density, guard_crest,
                               cost_dead, cost_sparse, cost_int8, cost_lowrank, cost_prepack, cost_pack,
                               evidence_dead, evidence_sparse, evidence_int8, evidence_lowrank, evidence_prepack, arg_dead, arg_rank)
-
 
 # %% auto #0
 __all__ = ['KEYS', 'FINDINGS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO', 'OUTLIER_PERSIST',
@@ -26,7 +25,8 @@ __all__ = ['KEYS', 'FINDINGS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_D
            'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary', 'cross_step', 'tap_stationary',
            'cross_table', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction',
            'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'step_frame', 'drop_nonfinite_steps',
-           'rule_nonfinite', 'rule_constant', 'mine', 'drop_masked', 'collect_findings', 'confirm_low_rank']
+           'rule_nonfinite', 'rule_constant', 'mine', 'undefined_inf', 'drop_masked', 'collect_findings',
+           'confirm_low_rank']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
@@ -529,12 +529,12 @@ def rule_nonfinite(st):
     rows = []
     for key, g in bad.groupby(level=KEYS, observed=True):
         steps, n, k = g.index.get_level_values('step'), int(total[key]), int(empty[key])
-        nan, inf = int(g.nan_count.sum()), int(g.inf_count.sum())
+        nan, inf = g.nan_count.sum(), g.inf_count.sum()      # finite: the readers refuse counts that are not (`tables.COUNT_STATS`)
         share = (nan + inf) / g.numel.sum() if g.numel.sum() > 0 else np.nan
         what = ('no clean step, so no value-structure claim is made' if len(g) + k == n else
                 f'step{"s" if len(g) > 1 else ""} {_steps_text(steps)} dropped from the value rules (they read the other {n - len(g) - k}); cross-step claims refused')
         rows.append(dict(zip(KEYS, key), stat='nan_count', idx=-1, value=share, exploit='nonfinite',
-                         detail=f'NaN/Inf: {share:.1%} of values (NaN {nan}, Inf {inf}) on {len(g)} of {n} steps, first at step '
+                         detail=f'NaN/Inf: {share:.1%} of values (NaN {nan:.0f}, Inf {inf:.0f}) on {len(g)} of {n} steps, first at step '
                                 f'{int(steps.min())} → {what}'))
     return pd.DataFrame(rows, columns=FINDINGS)
 
@@ -614,15 +614,25 @@ def mine(sketches:pd.DataFrame, # tidy sketches (e.g. from `read_sketches`), or 
         )->pd.DataFrame:
     "Findings (`FINDINGS` columns), one row per exploit per tap (per channel for channel findings); out of core: `scale.mine_duckdb`, `scale.mine_dask`."
     if not isinstance(sketches, pd.DataFrame):
-        sketches = read_sketches(sketches)
+        sketches = read_sketches(sketches)     # read and vetted
+    else:
+        require_columns(sketches.columns, MINE_COLS, 'cannot mine')
+        sketches = vet_sketches(as_strings(sketches), 'DataFrame')   # as every engine vets it: one row per key, counts that count, whole steps
     require_columns(sketches.columns, MINE_COLS, 'cannot mine')
     sketches = as_strings(sketches)        # the dtype policy; a missing name is the empty name (pandas drops missing group keys)
     out = _mine_pandas(sketches)
     return out if probe is None else confirm_low_rank(out, probe, sketches[KEYS].drop_duplicates())
 
 # %% ../nbs/03_miner.ipynb #209e4dd2-s1
+def undefined_inf(sketches:pd.DataFrame)->pd.DataFrame: # tidy sketches, or a partition of them
+    "`sketches` with ±Inf values as NaN: no statistic is infinite (a sketch counts Inf values and keeps them out of every other stat), so an infinite one is undefined, as NaN is — read so by every engine."
+    v = sketches.value.to_numpy(np.float64)
+    inf = np.isinf(v)
+    return sketches.assign(value=np.where(inf, np.nan, v)) if inf.any() else sketches
+
 def _mine_pandas(df):
     if df.empty: return pd.DataFrame(columns=FINDINGS)
+    df = undefined_inf(df)
     _check_ranks(df)
     st = step_table(df)
     df = drop_nonfinite_steps(df, st)             # NaN/Inf steps: only `nonfinite` reads them

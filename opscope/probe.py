@@ -16,10 +16,11 @@ from .tables import InputError, MissingError, atomic_write
 
 
 # %% auto #0
-__all__ = ['MAX_SVD_ROWS', 'MAX_UNIQUE_NUMEL', 'Factoring', 'TWO_FOUR_KEEP', 'TwoFour', 'QUANT_OK_DB', 'Cardinality',
-           'MIN_FACTOR_SAVING', 'RANK_COLS', 'PROBE_MODELS', 'save_tensors', 'load_tensors', 'dump_sites',
-           'effective_rank', 'rank_at_energy', 'two_four', 'quantize', 'quant_error', 'cardinality', 'lut_verdict',
-           'probe', 'rank_table', 'probe_pointers', 'sweep_ranks', 'model_tensors', 'probe_report']
+__all__ = ['MAX_HEADER', 'MAX_JSON_DEPTH', 'ST_DTYPES', 'MAX_SVD_ROWS', 'MAX_UNIQUE_NUMEL', 'Factoring', 'TWO_FOUR_KEEP',
+           'TwoFour', 'QUANT_OK_DB', 'Cardinality', 'MIN_FACTOR_SAVING', 'RANK_COLS', 'PROBE_MODELS', 'save_tensors',
+           'json_depth', 'safetensors_header', 'load_tensors', 'dump_sites', 'effective_rank', 'rank_at_energy',
+           'two_four', 'quantize', 'quant_error', 'cardinality', 'lut_verdict', 'probe', 'rank_table', 'probe_pointers',
+           'sweep_ranks', 'model_tensors', 'probe_report']
 
 # %% ../nbs/05_probe.ipynb #c5357b9c
 def save_tensors(path, # the `.safetensors` file to write
@@ -35,6 +36,9 @@ def save_tensors(path, # the `.safetensors` file to write
 
 # %% ../nbs/05_probe.ipynb #e6ff95c9
 MAX_HEADER = 100_000_000   # bytes: safetensors' own limit on the JSON header
+MAX_JSON_DEPTH = 64        # nesting a JSON document may have before it is parsed (a safetensors header has 3)
+ST_DTYPES = {'BOOL': 1, 'U8': 1, 'I8': 1, 'F8_E4M3': 1, 'F8_E4M3FNUZ': 1, 'F8_E5M2': 1, 'F8_E5M2FNUZ': 1, 'I16': 2, 'U16': 2,
+             'F16': 2, 'BF16': 2, 'I32': 4, 'U32': 4, 'F32': 4, 'I64': 8, 'U64': 8, 'F64': 8, 'C64': 8}   # dtype -> bytes, those torch reads
 
 def _why_not(head):
     "What a file whose header does not parse most likely is."
@@ -43,38 +47,108 @@ def _why_not(head):
     return "not a safetensors file (bad header)"
 
 # %% ../nbs/05_probe.ipynb #e6ff95c9-s1
-def _is_entry(v):
-    return (isinstance(v, dict) and isinstance(v.get('dtype'), str) and isinstance(v.get('shape'), list)
-            and isinstance(v.get('data_offsets'), list) and len(v['data_offsets']) == 2)
+_DEPTH_CHUNK = 1 << 22   # bytes scanned per numpy pass: bounded memory on a 100 MB header
+
+def _depth_chunk(c, state):
+    "Scan the JSON bytes `c`, carrying `state` = [inside a string, backslashes just before, depth] across chunks; the deepest level in `c`."
+    in_str, run, depth = state
+    m, idx = len(c), np.arange(len(c))
+    last = np.maximum.accumulate(np.where(c == 92, -1, idx))      # the last byte at or before i that is not a backslash
+    q = np.flatnonzero(c == 34)
+    prev = np.where(q > 0, last[q - 1], -1)
+    before = np.where(prev >= 0, q - 1 - prev, q + run)             # backslashes just before each quote (a run may begin in the chunk before)
+    d = np.zeros(m, np.int8); d[q[before % 2 == 0]] = 1             # the quotes that open or close a string
+    s = (np.cumsum(d, dtype=np.int64) + in_str) % 2 == 1
+    step = np.where(s, 0, ((c == 91) | (c == 123)).astype(np.int8) - ((c == 93) | (c == 125)).astype(np.int8))
+    lvl = np.cumsum(step, dtype=np.int64) + depth
+    state[:] = [bool(s[-1]), run + m if last[-1] < 0 else m - 1 - int(last[-1]), int(lvl[-1])]
+    return int(lvl.max())
+
+# %% ../nbs/05_probe.ipynb #e6ff95c9-s1b
+def json_depth(text, # a JSON document (str or bytes), not yet parsed
+              )->int:
+    "How deep `[` and `{` nest in `text` outside its strings, measured without parsing it (numpy, chunk by chunk: bounded time and memory on any input)."
+    b = text.encode('utf-8', 'surrogatepass') if isinstance(text, str) else bytes(text)
+    state, deepest = [False, 0, 0], 0
+    for i in range(0, len(b), _DEPTH_CHUNK):
+        deepest = max(deepest, _depth_chunk(np.frombuffer(b, np.uint8, min(_DEPTH_CHUNK, len(b) - i), i), state))
+    return deepest
+
+def _short(v, n=60)->str:
+    "`repr(v)`, cut to `n` characters for a one-line message."
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + '...'
+
+def _is_int(v)->bool: return isinstance(v, int) and not isinstance(v, bool)
 
 # %% ../nbs/05_probe.ipynb #e6ff95c9-s2
-def _safetensors_header(path:Path)->dict:
-    "The parsed JSON header of the safetensors file `path`; a clear `ValueError` for anything else (never unpickled)."
+def _entry_error(v)->str|None:
+    "Why the header entry `v` does not describe one tensor, or None."
+    if not isinstance(v, dict): return f"is {_short(v)}, not a tensor entry"
+    dt, shape, off = v.get('dtype'), v.get('shape'), v.get('data_offsets')
+    if not isinstance(dt, str) or dt not in ST_DTYPES: return f"dtype {_short(dt)} is not a safetensors dtype torch reads"
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape): return f"shape {_short(shape)} is not a list of sizes"
+    if not (isinstance(off, list) and len(off) == 2 and all(_is_int(o) and o >= 0 for o in off) and off[0] <= off[1]):
+        return f"data_offsets {_short(off)} are not two byte offsets [begin, end]"
+    need = math.prod(shape) * ST_DTYPES[dt]
+    if off[1] - off[0] != need: return f"spans {off[1] - off[0]:,} bytes, but a {dt} tensor of shape {_short(shape)} has {need:,}"
+
+def _check_layout(path, entries, data):
+    "The tensors must tile the `data` bytes after the header exactly: no gap, no overlap, nothing cut, nothing after."
+    at, prev = 0, None
+    for k, v in sorted(entries.items(), key=lambda kv: tuple(kv[1]['data_offsets'])):
+        b, e = v['data_offsets']
+        if e > data: raise InputError(f"{path}: truncated safetensors file: tensor {_short(k)} ends at byte {e:,} of the data, which has {data:,}")
+        if b != at: raise InputError(f"{path}: tensor {_short(k)} starts at byte {b:,} of the data, where {'the data begins at 0' if prev is None else f'tensor {_short(prev)} ends at {at:,}'}")
+        at, prev = e, k
+    if at != data: raise InputError(f"{path}: {data - at:,} bytes after the last tensor (the header describes {at:,} of {data:,})")
+
+def _parse_header(path, head, raw)->dict:
+    "The header's JSON as a dict, its depth checked before it is parsed."
+    if json_depth(raw) > MAX_JSON_DEPTH: raise InputError(f"{path}: the header nests deeper than {MAX_JSON_DEPTH} levels, not a safetensors header")
+    try: text = raw.decode('utf-8')
+    except UnicodeDecodeError: raise InputError(f"{path}: {_why_not(head)}; opscope reads only safetensors and never unpickles") from None
+    try: meta = json.loads(text)
+    except (ValueError, RecursionError): meta = None
+    if not isinstance(meta, dict): raise InputError(f"{path}: {_why_not(head)}; opscope reads only safetensors and never unpickles")
+    return meta
+
+# %% ../nbs/05_probe.ipynb #e6ff95c9-s3
+def safetensors_header(path, # a `.safetensors` file
+                      )->dict:
+    "The checked JSON header of the safetensors file `path`: entries that describe tensors tiling its data exactly, or a one-line `InputError` naming the file and the tensor (nothing is unpickled)."
+    path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"no such tensor file: {path}")
+    if not path.is_file(): raise InputError(f"{path}: a folder, not a safetensors file")
     size = path.stat().st_size
     with open(path, 'rb') as f:
         head = f.read(8)
         n = struct.unpack('<Q', head)[0] if len(head) == 8 else -1
-        raw = f.read(n) if 2 <= n <= min(size - 8, MAX_HEADER) else b''
-    try: meta = json.loads(raw.decode('utf-8')) if raw else None
-    except (UnicodeDecodeError, ValueError): meta = None
-    entries = {k: v for k, v in meta.items() if k != '__metadata__'} if isinstance(meta, dict) else None
-    if entries is None or not all(_is_entry(v) for v in entries.values()):
-        raise InputError(f"{path}: {_why_not(head)}; opscope reads only safetensors and never unpickles")
-    end = max((v['data_offsets'][1] for v in entries.values()), default=0)
-    if 8 + n + end > size: raise InputError(f"{path}: truncated safetensors file ({size} bytes, the header describes {8 + n + end})")
+        if not 2 <= n <= min(size - 8, MAX_HEADER):
+            foreign = _why_not(head) != _why_not(b'')      # a zip or a pickle: its first bytes are no length
+            why = _why_not(head) if n < 2 or n > MAX_HEADER or foreign else f"truncated header: its length field says {n:,} bytes, the file holds {max(size - 8, 0):,}"
+            raise InputError(f"{path}: {why}; opscope reads only safetensors and never unpickles")
+        meta = _parse_header(path, head, f.read(n))
+    md = meta.get('__metadata__', {})
+    if not (isinstance(md, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in md.items())):
+        raise InputError(f"{path}: __metadata__ must map strings to strings, not {_short(md)}")
+    entries = {k: v for k, v in meta.items() if k != '__metadata__'}
+    for k, v in entries.items():
+        why = _entry_error(v)
+        if why: raise InputError(f"{path}: tensor {_short(k)}: {why}")
+    _check_layout(path, entries, size - 8 - n)
     return meta
 
 # %% ../nbs/05_probe.ipynb #b4a94a19
 def load_tensors(path, # a `.safetensors` file written by `save_tensors` (or any safetensors writer)
                  device='cpu', # where to put the tensors
                 )->dict:
-    "Read a safetensors file into a dict of tensors; refuse pickles and `torch.save` files with a clear error."
+    "Read a safetensors file into a dict of tensors, its header checked first (`safetensors_header`); refuse pickles and `torch.save` files with a clear error."
     from safetensors.torch import load_file
     path = Path(path)
-    _safetensors_header(path)
+    safetensors_header(path)
     try: return load_file(str(path), device=str(device))
-    except Exception as e: raise InputError(f"{path}: unreadable safetensors file ({e})") from None
+    except Exception as e: raise InputError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 # %% ../nbs/05_probe.ipynb #45425e3a
 class _Keep(torch.fx.Interpreter):

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 import torch.fx as fx
 from .tables import InputError, MissingError, atomic_write, require_columns, as_strings, dataset_files, part_files
-from .tables import read_sketches, COMMIT_SUFFIX   # the reading half lives in tables (no torch: Dask workers mine with it), re-exported here
+from .tables import read_sketches, with_manifest, manifest_rows, COMMIT_SUFFIX, MANIFEST_STAT   # the reading half lives in tables (no torch: Dask workers mine with it), re-exported here
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
 from .sketch import STATS, attn_sketch, sketch_rows, pack, sketch_node, sketch_packed
@@ -24,7 +24,6 @@ from .sketch import sketch_kept, sketch_groups
 from .sites import walk_up
 from .lower import ROUTED_ROWS   # the masked sketches: key columns, routed expert rows
 from .shapes import coverage, coverage_warning, _cacheless
-
 
 # %% auto #0
 __all__ = ['LAYOUTS_KEPT', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'masked_sketch', 'keys_sketch',
@@ -105,6 +104,9 @@ class Recorder:
                 ):
         self.path, self.rank = Path(path), rank
         self.fmt = self.path.suffix.lower().lstrip('.')
+        if self.fmt in ('csv', 'parquet') and self.path.is_dir() and not dataset:
+            raise InputError(f"{self.path}: a .{self.fmt} sink is a file, but a directory has that name; write a dataset "
+                             "to a path without extension (or pass dataset=True), or choose another name")
         if dataset or (dataset is None and (self.fmt == '' or self.path.is_dir())): self.fmt = 'dataset'
         elif self.fmt not in ('csv', 'parquet'):
             raise InputError(f"{self.path}: sinks are .csv or .parquet files, or a dataset directory (a path without extension), not {self.path.suffix!r}")
@@ -114,12 +116,13 @@ class Recorder:
     def write(self, df:pd.DataFrame):
         "Append one step's rows and make them durable (committed where `read_sketches` looks) before returning."
         if not self._opened: self._open()
+        n = len(df)
         if self.fmt == 'dataset': self._write_dataset(df)
         else:
             if self.rank is not None: df = df.assign(rank=np.int64(self.rank))
             if self.fmt == 'csv': return self._write_csv(df)     # counts the step where it commits it
-            _write_step(df, self.parts / f'part-{self.steps:06d}.parquet')
-        self.steps, self.rows = self.steps + 1, self.rows + len(df)
+            _write_step(with_manifest(df), self.parts / f'part-{self.steps:06d}.parquet')
+        self.steps, self.rows = self.steps + 1, self.rows + n
     def _open(self):
         "Start a new recording at `path`: whatever an earlier one left there is removed first, so stale steps never mix with new ones."
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +138,8 @@ class Recorder:
         else:
             self.path.unlink(missing_ok=True); self.parts.mkdir()
     def _write_csv(self, df):
-        buf = df.to_csv(None, header=self.steps == 0, index=False, float_format='%.9g', lineterminator='\n').encode()
+        csv = lambda t, header: t.to_csv(None, header=header, index=False, float_format='%.9g', lineterminator='\n')
+        buf = (_manifest_csv(df, self.steps == 0) + csv(df, False)).encode()     # the manifest first, in the same flush
         self._f.write(buf); self._f.flush(); os.fsync(self._f.fileno())
         self._end, self.steps, self.rows = self._end + len(buf), self.steps + 1, self.rows + len(df)   # no signal lands between these
         self._log.write(f"{self._end}\t{len(df)}\t{zlib.crc32(buf):08x}\t{_step_name(df)}\n")
@@ -145,7 +149,7 @@ class Recorder:
             d = self.path / f'run_id={quote(str(run), safe="")}' / f'rank={int(self.rank or 0)}'
             if d not in self._dirs:
                 shutil.rmtree(d, ignore_errors=True); d.mkdir(parents=True); self._dirs.add(d)
-            _write_step(rows.drop(columns=['run_id', 'rank'], errors='ignore'), d / f'part-{int(step):09d}.parquet')
+            _write_step(with_manifest(rows).drop(columns=['run_id', 'rank'], errors='ignore'), d / f'part-{int(step):09d}.parquet')
     def close(self):
         "Finish the output: CSV cut back to its last whole step, Parquet parts combined atomically; a dataset needs nothing."
         if self._f is not None:
@@ -157,6 +161,7 @@ class Recorder:
             self.steps = sum(len(part_files(d)) for d in self._dirs)
         if self.fmt == 'parquet' and self.parts.exists():
             self.steps = len(part_files(self.parts))
+            if not self.steps: shutil.rmtree(self.parts); return      # opened, no step written: nothing to combine, no file
             with atomic_write(self.path) as tmp: _combine_parts(self.parts, tmp)   # a full disk, a second Ctrl-C: the parts stay, and the reader finds them
             shutil.rmtree(self.parts)
     def __enter__(self): return self
@@ -166,6 +171,20 @@ class Recorder:
 def _step_name(df):
     "`step S of run R` for a step's rows (how warnings name a torn step)."
     return f"step {int(df.step.iloc[0])} of run {df.run_id.iloc[0]}" if len(df) else 'an empty step'
+
+def _manifest_csv(df, header):
+    "The CSV lines of `df`'s manifest rows (`tables.manifest_rows`), and the header first if `header`; a one-step frame without pandas indexing."
+    step, run = df['step'], df['run_id']      # (only the step's own columns: a view of the cached layout columns would be held per step)
+    if not len(df) or step.nunique() != 1 or run.nunique() != 1:
+        return manifest_rows(df).to_csv(None, header=header, index=False, float_format='%.9g', lineterminator='\n') if len(df) else ''
+    import csv, io
+    row = dict.fromkeys(df.columns, 0)
+    row.update({c: df[c].iat[0] for c in ('run_id', 'step', 'backend', 'dist', 'rank') if c in row})
+    row.update(site='', role='', stat=MANIFEST_STAT, idx=SCHEMA_VERSION, value=len(df))
+    out = io.StringIO(); w = csv.writer(out, lineterminator='\n')
+    if header: w.writerow(df.columns)
+    w.writerow(row.values())
+    return out.getvalue()
 
 # %% ../nbs/02_recorder.ipynb #346d5634-s2
 def _write_step(df, path):

@@ -4,7 +4,8 @@
 
 # %% ../nbs/02b_runners.ipynb #dda7d0cc
 from __future__ import annotations
-import contextlib, importlib.util, inspect, re, sys, warnings, weakref
+import contextlib, importlib.util, inspect, json, re, sys, warnings, weakref
+from itertools import islice
 from collections import OrderedDict
 from pathlib import Path
 import numpy as np
@@ -15,14 +16,16 @@ from .sketch import SCALARS, VECTORS, ATTN_STATS, GATE_STATS
 from .sites import trace
 from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, decode_stats, eager_gate, gate_tolerance, record, inject_taps
 from .shapes import coverage, coverage_warning, tapped_share
+from .probe import safetensors_header, json_depth, MAX_JSON_DEPTH
 from .tables import InputError, ModelError
 from .zoo import DECODERS, tiny_decoder   # the decoders live in the one model registry (`zoo.MODELS`), re-exported here
 
 
 # %% auto #0
-__all__ = ['CACHE_LAYERS', 'HOOK_DICTS', 'VECTOR_STATS', 'DIM_STATS', 'GRAPHS_KEPT', 'decoder_cache', 'StaticDecoder',
-           'static_cache', 'decode_positions', 'decoder_coverage', 'record_generate', 'load_factory', 'load_hf',
-           'read_prompts', 'record_hf', 'coverage']
+__all__ = ['CACHE_LAYERS', 'HOOK_DICTS', 'VECTOR_STATS', 'DIM_STATS', 'GRAPHS_KEPT', 'MAX_FACTORY_BATCHES', 'MAX_CONFIG_BYTES',
+           'CONFIG_SIZES', 'MAX_CONFIG_SIZE', 'MAX_CONFIG_LAYERS', 'MAX_PROMPTS_BYTES', 'decoder_cache',
+           'StaticDecoder', 'static_cache', 'decode_positions', 'decoder_coverage', 'record_generate', 'load_factory',
+           'load_hf', 'read_prompts', 'record_hf', 'coverage']
 
 # %% ../nbs/02b_runners.ipynb #a588b4aa
 _all_ = ['coverage']   # DESIGN lists coverage with the runners; it lives in shapes, which counts the FLOPs
@@ -270,53 +273,197 @@ def _gated(run, inj, args, step):
     return eager_gate(lambda: run(*ref), lambda: inj(*args), inj.meta.get('opscope_sdpa', 0), step)
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731
+MAX_FACTORY_BATCHES = 100_000   # batches a factory may return: each is a recorded step, so more is an endless generator or a typo
+
+def _tensor_inputs(batch)->list|None:
+    "(name, tensor) for each tensor input of `batch` as `record` passes it (a tensor, a tuple or list of inputs, a dict of keyword inputs); None for anything else."
+    if isinstance(batch, torch.Tensor): return [('its tensor', batch)]
+    if isinstance(batch, dict): return [(f'input {k!r}', v) for k, v in batch.items() if isinstance(v, torch.Tensor)]
+    if isinstance(batch, (tuple, list)): return [(f'input {i}', v) for i, v in enumerate(batch) if isinstance(v, torch.Tensor)]
+    return None
+
+# %% ../nbs/02b_runners.ipynb #7ffbe731-b1
+def _batch_kinds(spec, i, batch)->list:
+    "`(input name, dtype, device)` of each tensor input of batch `i`, or a one-line `InputError` naming the factory and the batch."
+    ts = _tensor_inputs(batch)
+    if ts is None: raise InputError(f"{spec}: batch {i} is a {type(batch).__name__}; a batch is a tensor, a tuple of inputs or a dict of keyword inputs")
+    if isinstance(batch, dict) and not all(isinstance(k, str) for k in batch):
+        raise InputError(f"{spec}: batch {i} is a dict whose keys are not all argument names")
+    if not ts: raise InputError(f"{spec}: batch {i} holds no tensor")
+    return [(n, t.dtype, t.device) for n, t in ts]
+
+def _same_kinds(spec, i, kinds, first):
+    "Batch `i` must pass the inputs batch 0 passes, with the same dtypes and devices (the model is traced once, on batch 0)."
+    if [k[0] for k in kinds] != [k[0] for k in first]:
+        raise InputError(f"{spec}: batch {i} passes {', '.join(k[0] for k in kinds)}, but batch 0 passes {', '.join(k[0] for k in first)}")
+    for (n, dt, dev), (_, dt0, dev0) in zip(kinds, first):
+        if (dt, dev) != (dt0, dev0): raise InputError(f"{spec}: batch {i}, {n}: {dt} on {dev}, but batch 0 has {dt0} on {dev0}")
+
+# %% ../nbs/02b_runners.ipynb #7ffbe731-b2
+def _model_hint(model, kinds, err:str)->str:
+    "What about the inputs `kinds` does not fit `model`: a device or a dtype its weights do not have ('' if nothing visible; integers only when torch's error `err` is about dtypes)."
+    w = next((t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()), None)
+    if w is None: return ''
+    for n, dt, dev in kinds:
+        if dev != w.device: return f"{n} is on {dev}, but the model's weights are on {w.device}"
+        if dt.is_floating_point and dt != w.dtype: return f"{n} is {dt}, but the model's weights are {w.dtype}"
+        if not dt.is_floating_point and 'dtype' in err: return f"{n} is {dt} (integers), the model's weights {w.dtype}"
+    return ''
+
+def _dry_run(spec, model, batch, kinds):
+    "Run `model` once on `batch` (no grad, RNG and buffers put back): a failure here is the batch not fitting the model, one line naming the factory."
+    args, kwargs = ((), batch) if isinstance(batch, dict) else (tuple(batch), {}) if isinstance(batch, (tuple, list)) else ((batch,), {})
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    gpus = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == 'cuda'})
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=gpus): model(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        err = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        why = _model_hint(model, kinds, err) or err
+        raise InputError(f"{spec}: the model cannot run batch 0 ({why})") from None
+    finally:
+        with torch.no_grad():
+            for b, v in saved: b.copy_(v)
+
+# %% ../nbs/02b_runners.ipynb #7ffbe731-b4
+def _factory_result(spec, got)->tuple:
+    "`(model, list of batches)` from what a factory returned, or a one-line `InputError` naming the factory."
+    if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], nn.Module)):
+        raise InputError(f"{spec} must return (model, batches) with an nn.Module first, not {type(got).__name__}")
+    b = got[1]
+    if isinstance(b, (torch.Tensor, dict, str, bytes)):
+        raise InputError(f"{spec} returned a {type(b).__name__} as its batches; return a list of batches, e.g. [x]")
+    try: batches = list(islice(b, MAX_FACTORY_BATCHES + 1))
+    except TypeError: raise InputError(f"{spec} returned batches of type {type(b).__name__}, not a list or iterable of batches") from None
+    if not batches: raise InputError(f"{spec} returned no batches")
+    if len(batches) > MAX_FACTORY_BATCHES: raise InputError(f"{spec} returned more than {MAX_FACTORY_BATCHES:,} batches (an endless generator?); each is a recorded step")
+    return got[0], batches
+
+# %% ../nbs/02b_runners.ipynb #7ffbe731-b3
 def load_factory(spec:str, # 'FILE.py:FACTORY'
                 )->tuple[nn.Module, list]:
-    "`(model, batches)` from the function FACTORY in the Python file FILE.py, checked."
+    "`(model, batches)` from the function FACTORY in the Python file FILE.py, checked: a module and at most `MAX_FACTORY_BATCHES` batches of one kind that the model runs (batch 0 is run once)."
     path, sep, name = str(spec).rpartition(':')
     if not sep or not path or not name: raise InputError(f"{spec}: a model spec is FILE.py:FACTORY")
     p = Path(path)
     if not p.is_file(): raise FileNotFoundError(f"{path}: no such file (model spec {spec})")
     mod_spec = importlib.util.spec_from_file_location(f'opscope_factory_{p.stem}', p)
     mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
+    mod_spec.loader.exec_module(mod)        # the user's code: its own errors keep their traceback
     fn = getattr(mod, name, None)
     if not callable(fn): raise InputError(f"{path} has no function {name!r} (model spec {spec})")
-    got = fn()
-    if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], nn.Module)):
-        raise InputError(f"{spec} must return (model, batches) with an nn.Module first, not {type(got).__name__}")
-    batches = list(got[1])
-    if not batches: raise InputError(f"{spec} returned no batches")
-    return got[0], batches
+    model, batches = _factory_result(spec, fn())
+    first = _batch_kinds(spec, 0, batches[0])
+    for i, b in enumerate(batches[1:], 1): _same_kinds(spec, i, _batch_kinds(spec, i, b), first)
+    _dry_run(spec, model, batches[0], first)
+    return model, batches
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731-s1
 def _is_decoder(config):
     return any(a.endswith(('ForCausalLM', 'LMHeadModel')) for a in (getattr(config, 'architectures', None) or []))
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731-s2
+MAX_CONFIG_BYTES = 16 * 2**20   # a config.json larger than this is not a model's configuration
+CONFIG_SIZES = ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'intermediate_size', 'vocab_size',
+                'max_position_embeddings', 'n_embd', 'n_layer', 'n_head', 'n_positions')   # sizes that must be positive integers
+MAX_CONFIG_SIZE = 2**31 - 1                     # any one of them (int32, as the kernels index)
+MAX_CONFIG_LAYERS = 1024                        # layers: the deepest released models have under 200, and each is built in Python
+
+def _hf_config(p:Path)->dict:
+    "The folder's config.json as a dict, checked before transformers reads it: size, nesting, `model_type`, positive sizes."
+    f = p / 'config.json'
+    if f.stat().st_size > MAX_CONFIG_BYTES: raise InputError(f"{f}: {f.stat().st_size:,} bytes, not a model configuration (at most {MAX_CONFIG_BYTES:,})")
+    raw = f.read_bytes()
+    if json_depth(raw) > MAX_JSON_DEPTH: raise InputError(f"{f}: nests deeper than {MAX_JSON_DEPTH} levels, not a model configuration")
+    try: cfg = json.loads(raw.decode('utf-8'))
+    except UnicodeDecodeError as e: raise InputError(f"{f}: not UTF-8 text (byte offset {e.start:,})") from None
+    except ValueError as e: raise InputError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict): raise InputError(f"{f}: holds a JSON {type(cfg).__name__}, not an object of settings")
+    if not isinstance(cfg.get('model_type'), str): raise InputError(f"{f}: no 'model_type' key naming the architecture")
+    top = lambda k: MAX_CONFIG_LAYERS if k in ('num_hidden_layers', 'n_layer') else MAX_CONFIG_SIZE
+    bad = [k for k in CONFIG_SIZES if k in cfg and not (isinstance(cfg[k], int) and not isinstance(cfg[k], bool) and 1 <= cfg[k] <= top(k))]
+    if bad: raise InputError(f"{f}: key {bad[0]!r} is {str(cfg[bad[0]])[:40]!r}, not an integer from 1 to {top(bad[0]):,}")
+    return cfg
+
+# %% ../nbs/02b_runners.ipynb #7ffbe731-s2b
+@contextlib.contextmanager
+def _quiet_transformers():
+    "transformers' progress bars and load reports held off (a refusal is one line; the load report's findings are checked instead)."
+    from transformers.utils import logging as hf_logging
+    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
+    try: yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bar: hf_logging.enable_progress_bar()
+
+def _first_line(e)->str: return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+def _shape_mismatch(cls, cfg, shapes:dict)->str|None:
+    "The first tensor whose shape in the weights (`shapes`, from their headers) is not the one `cfg` gives it, from the model built on the meta device."
+    try:
+        with torch.device('meta'): want = {k: list(v.shape) for k, v in cls.from_config(cfg).state_dict().items()}
+    except Exception: return None
+    for name, shape in shapes.items():
+        k = next((k for k in want if name == k or name.endswith('.' + k) or k.endswith('.' + name)), None)
+        if k is not None and want[k] != shape:
+            return f"the weights do not match config.json: tensor {name} is {shape} in the weights, {want[k]} in the model config.json builds"
+
+def _check_loading(path, info):
+    "Refuse weights that do not fill the model the config builds: missing, unexpected or mis-shaped tensors (transformers would initialize them at random)."
+    for key, what in (('missing_keys', 'missing from the weights'), ('mismatched_keys', 'of the wrong shape in the weights'),
+                      ('unexpected_keys', 'in the weights but not in the model config.json builds')):
+        ks = sorted(info.get(key) or [])
+        if ks:
+            k = ks[0][0] if isinstance(ks[0], tuple) else ks[0]
+            raise InputError(f"{path}: the weights do not match config.json: {len(ks)} tensor(s) {what} (first: {k})")
+
+# %% ../nbs/02b_runners.ipynb #7ffbe731-s2c
 def load_hf(path, # a local folder with config.json, *.safetensors weights and a tokenizer
            )->tuple[nn.Module, object, bool]:
-    "`(model, tokenizer, is_decoder)` from a local Hugging Face folder, offline and without pickle."
+    "`(model, tokenizer, is_decoder)` from a local Hugging Face folder, offline and without pickle; config, weights and tokenizer checked, each failure one `InputError` naming the file."
     p = Path(path)
     if not p.is_dir(): raise FileNotFoundError(f"{path}: no such folder")
     if not (p / 'config.json').is_file(): raise InputError(f"{path}: not a Hugging Face model folder (no config.json)")
-    if not any(p.glob('*.safetensors')): raise InputError(f"{path}: no *.safetensors weights (opscope loads no pickle)")
+    weights = sorted(p.glob('*.safetensors'))
+    if not weights: raise InputError(f"{path}: no *.safetensors weights (opscope loads no pickle)")
+    _hf_config(p)
+    shapes = {k: v['shape'] for w in weights for k, v in safetensors_header(w).items() if k != '__metadata__'}   # a cut or foreign weights file, named, before transformers opens it
     import transformers as tf     # optional heavy dependency
+    cls = cfg = None
     try:
-        cfg = tf.AutoConfig.from_pretrained(p, local_files_only=True)
-        dec = _is_decoder(cfg)
-        model = (tf.AutoModelForCausalLM if dec else tf.AutoModel).from_pretrained(p, local_files_only=True, use_safetensors=True).eval()
-    except Exception as e: raise InputError(f"{path}: transformers cannot load this model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
-    try: tok = tf.AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except Exception as e: raise InputError(f"{path}: no usable tokenizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    return model, tok, dec
+        with _quiet_transformers():
+            cfg = tf.AutoConfig.from_pretrained(p, local_files_only=True)
+            dec = _is_decoder(cfg)
+            cls = tf.AutoModelForCausalLM if dec else tf.AutoModel
+            why = _shape_mismatch(cls, cfg, shapes)     # on the meta device first: a config that disagrees allocates nothing
+            if why: raise InputError(why)
+            model, info = cls.from_pretrained(p, local_files_only=True, use_safetensors=True, output_loading_info=True)
+    except InputError as e: raise InputError(f"{path}: {e}") from None
+    except Exception as e: raise InputError(f"{path}: transformers cannot load this model ({_first_line(e)})") from None
+    _check_loading(path, info)
+    try:
+        with _quiet_transformers(): tok = tf.AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except Exception as e: raise InputError(f"{path}: no usable tokenizer ({_first_line(e)})") from None
+    return model.eval(), tok, dec
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731-s3
-def read_prompts(path)->list[str]:
-    "The non-empty lines of a text file."
+MAX_PROMPTS_BYTES = 16 * 2**20   # a prompts file larger than this is not a list of prompts (a decoder takes them all in one batch)
+
+def read_prompts(path, # a UTF-8 text file, one prompt per line
+                )->list[str]:
+    "The non-empty lines of a UTF-8 text file; a binary, non-UTF-8 or oversized file is one `InputError` naming the file and the line."
     p = Path(path)
-    if not p.is_file(): raise FileNotFoundError(f"{path}: no such prompts file")
-    lines = [l.strip() for l in p.read_text().splitlines() if l.strip()]
+    if not p.exists(): raise FileNotFoundError(f"{path}: no such prompts file")
+    if not p.is_file(): raise InputError(f"{path}: a folder, not a prompts file (one prompt per line)")
+    if p.stat().st_size > MAX_PROMPTS_BYTES: raise InputError(f"{path}: {p.stat().st_size:,} bytes, more than a prompts file holds (at most {MAX_PROMPTS_BYTES:,})")
+    raw = p.read_bytes()
+    line = lambda at: raw.count(b'\n', 0, at) + 1
+    if b'\0' in raw: raise InputError(f"{path}: line {line(raw.index(0))}: a NUL byte, so a binary file, not text prompts")
+    try: text = raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: line {line(e.start)}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
     if not lines: raise InputError(f"{path}: no prompts in it (one per line)")
     return lines
 
@@ -329,6 +476,8 @@ def record_hf(path, # a local Hugging Face folder (`load_hf`)
               run_id:str=None, # default: the folder's name
               loaded:tuple=None, # what `load_hf(path)` returned, when the caller has loaded it already
               keep:bool=True, # return the rows (False, with a sink: a `Recorded` summary, memory one step)
+              every:int=1, # decoders: record the prefill and every `every`-th decode step (`record_generate`)
+              vectors=None, # decoders: the vector stats to keep (`VECTOR_STATS`); None: all
              )->pd.DataFrame:
     "Record a local Hugging Face model on `prompts`: a decoder through `record_generate`, an encoder with `record`."
     model, tok, dec = loaded or load_hf(path)
@@ -338,7 +487,8 @@ def record_hf(path, # a local Hugging Face folder (`load_hf`)
         if tok.pad_token is None: tok.pad_token = tok.eos_token or tok.unk_token
         enc = tok(prompts, padding=True, return_tensors='pt')
         return record_generate(model, enc['input_ids'], max_new_tokens, enc['attention_mask'], run_id=run_id,
-                               dist='prompts', sink=sink, keep=keep or sink is None)[1]
+                               dist='prompts', sink=sink, keep=keep or sink is None,
+                               every=every, vectors=vectors)[1]
     T = max(len(tok(s)['input_ids']) for s in prompts)      # one length for every step
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     batches = [dict(tok(g, padding='max_length', max_length=T, return_tensors='pt')) for g in groups]

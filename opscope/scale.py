@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from .tables import InputError, SCHEMA, MINE_COLS, PARTITION_TYPES, RENAMED_STATS, require_columns, as_strings, dataset_files, read_sketches
+from .tables import KEY_COLS, MANIFEST_STAT, COUNT_STATS, check_columns, vet_rows, vet_steps, drop_steps   # the one vetting, every engine
 from . import miner as _m
 from . import partials as _p
 from . import scale as _self   # this module as imported: spawned ranks unpickle `_spawned` from it (also when called from the notebook)
-
 
 # %% auto #0
 __all__ = ['PATIENCE', 'POLL', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings',
@@ -125,20 +125,46 @@ def _source(con, src):
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s2
 def _views(con, src, name):
-    "Views `sk` (typed, NaN as NULL) and `base` (matmul-style taps) over the source; the source's columns."
+    "Views `sk` (typed, NaN and ±Inf as NULL: `miner.undefined_inf`) and `base` (matmul-style taps) over the source, vetted as every engine vets it (`_vet_sql`); the source's columns."
     frm = _source(con, src)
     try: cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {frm}").fetchall()]
     except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
     require_columns(cols, MINE_COLS, name)
+    check_columns(cols, name)
     rank = ', CAST("rank" AS BIGINT) AS "rank"' if 'rank' in cols else ''
-    con.execute(f"""CREATE VIEW raw AS SELECT CAST(run_id AS VARCHAR) run_id, CAST(dist AS VARCHAR) dist,
-        CAST(site AS VARCHAR) site, CAST(role AS VARCHAR) role, CAST(step AS BIGINT) step, {_stat_sql()} stat,
-        CAST(idx AS BIGINT) idx, CASE WHEN isnan(CAST(value AS DOUBLE)) THEN NULL ELSE CAST(value AS DOUBLE) END AS value{rank}
-        FROM {frm}""")
+    text = lambda c: f"coalesce(CAST({c} AS VARCHAR), '')"     # a missing name is the empty name, as `tables.as_strings` reads it
+    con.execute(f"""CREATE VIEW src AS SELECT {text('run_id')} run_id, {text('dist')} dist, {text('site')} site, {text('role')} role,
+        CAST(step AS BIGINT) step, coalesce({_stat_sql()}, '') stat, CAST(idx AS BIGINT) idx, CAST(value AS DOUBLE) AS value{rank} FROM {frm}""")
+    cut = _vet_sql(con, 'rank' in cols, name)
+    steps = ['run_id', 'step'] + (['rank'] if 'rank' in cols else [])
+    if cut: con.register('cut', pd.DataFrame(cut, columns=steps))
+    con.execute(f"""CREATE VIEW raw AS SELECT run_id, dist, site, role, step, stat, idx,
+        CASE WHEN isnan(value) OR isinf(value) THEN NULL ELSE value END AS value{', "rank"' if rank else ''} FROM src
+        {f"ANTI JOIN cut USING ({', '.join(map(_qi, steps))})" if cut else ''} WHERE stat <> {_Q(MANIFEST_STAT)}""")
     _bad_steps_sql(con)
     con.execute("CREATE VIEW base AS SELECT * FROM sk WHERE role NOT IN ('attn', 'gate')")
     con.execute("CREATE MACRO nn(x) AS CASE WHEN isnan(x) THEN NULL ELSE x END")   # per-step NaN skipped, as pandas' mean does
     return cols
+
+def _qi(c): return f'"{c}"'
+
+# %% ../nbs/03a_scale.ipynb #d1a07caf
+def _vet_sql(con, rank, name):
+    "`tables.vet_steps` on the facts `tables.vet_rows` gathers, gathered by DuckDB over view `src` in one pass (per step: rows, manifests, distinct keys, bad counts); the steps to drop."
+    g = 'run_id, step' + (', "rank"' if rank else '')
+    keys = ', '.join(map(_qi, KEY_COLS + (['rank'] if rank else [])))
+    data, counts = f"stat <> {_Q(MANIFEST_STAT)}", f"stat IN ({', '.join(map(_Q, COUNT_STATS))}) AND NOT coalesce(isfinite(value) AND value >= 0, false)"
+    s = con.execute(f"""SELECT {g}, count(*) FILTER (WHERE {data}) "rows", count(*) FILTER (WHERE NOT {data}) manifests,
+        max(value) FILTER (WHERE NOT {data}) announced, max(idx) FILTER (WHERE NOT {data}) version,
+        count(DISTINCT hash(site, role, stat, idx)) FILTER (WHERE {data}) distinct_keys, count(*) FILTER (WHERE {counts}) bad
+        FROM src GROUP BY ALL""").df()
+    dup = bad = None
+    if (s.distinct_keys < s.rows).any():     # (a hash collision is checked exactly: no duplicate then)
+        dup = con.execute(f"SELECT {keys} FROM src WHERE {data} GROUP BY ALL HAVING count(*) > 1 ORDER BY ALL LIMIT 1").fetchone()
+    if s.bad.any():
+        bad = con.execute(f"SELECT {keys}, coalesce(value, 'NaN'::DOUBLE) FROM src WHERE {counts} ORDER BY {keys} LIMIT 1").fetchone()
+    s = s.drop(columns=['distinct_keys', 'bad']).astype({'version': float, 'announced': float})
+    return vet_steps([(s, dup and tuple(dup), bad and tuple(bad))], name)
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s3
 def _stat_sql():
@@ -316,7 +342,7 @@ def _read_dask(dd, src, storage_options=None, workers=1):
             if p.suffix.lower() == '.csv': return _read_dask(dd, read_sketches(p), workers=workers)
         try:
             if local and p.is_dir():     # neighbouring part files (whole steps) grouped into partitions of ~PART_BYTES
-                n = max(min(len(files), 2 * workers), -(-sum(f.stat().st_size for f in files) // PART_BYTES))
+                n = min(len(files), max(2 * workers, -(-sum(f.stat().st_size for f in files) // PART_BYTES)))   # never an empty group
                 keys = [s.split('=', 1)[0] for s in files[0].relative_to(p).parts[:-1] if '=' in s]
                 groups = [[str(f) for f in g] for g in np.array_split(np.array(files, dtype=object), n)]
                 types = {k: PARTITION_TYPES.get(k, 'string') for k in keys}
@@ -325,6 +351,7 @@ def _read_dask(dd, src, storage_options=None, workers=1):
             else: d = dd.read_parquet(s, storage_options=storage_options)
         except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
     require_columns(d.columns, MINE_COLS, name)
+    check_columns(d.columns, name)
     cols = {k: d[k].astype('string').fillna('') for k in _m.KEYS + ['stat']}
     cols.update(step=d.step.astype('int64'), idx=d.idx.astype('int64'), value=d.value.astype('float64'))
     if 'rank' in d.columns: cols['rank'] = d['rank'].astype('int64')
@@ -501,6 +528,9 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
         run = lambda *xs: _run(c, xs, watch, distributed)
         sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
         sk, n = _whole_steps(sk, run)
+        name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)
+        cut = vet_steps(run(*[dask.delayed(vet_rows)(p) for p in sk.to_delayed()]) if n else [], name)   # vetted where the rows lie, judged here
+        sk = sk.map_partitions(drop_steps, cut, meta=sk._meta).map_partitions(_m.undefined_inf, meta=sk._meta)   # no manifest rows, no incomplete steps, Inf as NaN
         if n:
             st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
             probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'stat', 'value']])[0]

@@ -10,9 +10,11 @@ import numpy as np
 import pandas as pd
 
 # %% auto #0
-__all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'MINE_COLS', 'PARTITION_TYPES', 'TEXT_COLS',
-           'COMMIT_SUFFIX', 'InputError', 'ModelError', 'MissingError', 'atomic_write', 'require_columns', 'as_strings',
-           'dataset_files', 'part_files', 'read_sketches']
+__all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'MINE_COLS', 'PARTITION_TYPES', 'KEY_COLS',
+           'MANIFEST_STAT', 'COUNT_STATS', 'RESERVED_COLS', 'TEXT_COLS', 'COMMIT_SUFFIX', 'MAX_LINE', 'MAX_COLUMNS',
+           'STEPS_NAMED', 'InputError', 'ModelError', 'MissingError', 'atomic_write', 'manifest_rows', 'with_manifest',
+           'require_columns', 'as_strings', 'dataset_files', 'part_files', 'check_columns', 'step_summary',
+           'first_duplicate', 'first_bad_count', 'vet_rows', 'vet_steps', 'drop_steps', 'vet_sketches', 'read_sketches']
 
 # %% ../nbs/00a_tables.ipynb #87253b86
 class InputError(ValueError):
@@ -56,10 +58,29 @@ def atomic_write(path): # the file the block produces
 SCHEMA = ['run_id', 'step', 'backend', 'dist', 'M', 'K', 'N', 'numel', 'site', 'role', 'stat', 'idx', 'value']
 INT_COLS = ['step', 'M', 'K', 'N', 'numel', 'idx']
 STR_COLS = ['run_id', 'backend', 'dist', 'site', 'role', 'stat']
-SCHEMA_VERSION = 2                                      # 2: stats `nan_count` / `inf_count` (were `nan` / `inf` in 1)
+SCHEMA_VERSION = 3   # 3: a manifest row opens each step; 2: stats `nan_count` / `inf_count` (were `nan` / `inf` in 1)
 RENAMED_STATS = {'nan': 'nan_count', 'inf': 'inf_count'}  # old name -> current name, applied by `read_sketches`
 MINE_COLS = ['run_id', 'dist', 'site', 'role', 'step', 'stat', 'idx', 'value']   # what the miner, the planner and the engines read
 PARTITION_TYPES = {'run_id': 'string', 'rank': 'int64', 'step': 'int64'}   # dataset partition keys; others are read as strings
+KEY_COLS = ['run_id', 'step', 'site', 'role', 'stat', 'idx']   # a row's key (with `rank` where present): no table holds one twice
+MANIFEST_STAT = 'step_rows'   # a step's manifest row: `value` = the step's other rows, `idx` = SCHEMA_VERSION, no site or role
+COUNT_STATS = ('numel', 'nan_count', 'inf_count', MANIFEST_STAT)   # counts: finite and >= 0 in every row
+RESERVED_COLS = ('schema_version',)   # names a file may not use for a column of its own (the version is the manifest's `idx`)
+
+# %% ../nbs/00a_tables.ipynb #5e1f7a01
+def _step_cols(df): return ['run_id', 'step'] + (['rank'] if 'rank' in df else [])
+
+def manifest_rows(df:pd.DataFrame)->pd.DataFrame: # rows of one or more steps (`SCHEMA`; `rank` may follow)
+    "One manifest row per step of `df`, in order of appearance: stat `MANIFEST_STAT`, `value` the step's row count, `idx` `SCHEMA_VERSION`, no site or role."
+    g = _step_cols(df)
+    n = df.groupby(g, observed=True, sort=False).size()       # steps in order of appearance, as drop_duplicates keeps them
+    head = df.iloc[:1] if len(n) == 1 else df.drop_duplicates(g)
+    return head.assign(M=np.int64(0), K=np.int64(0), N=np.int64(0), numel=np.int64(0), site='', role='', stat=MANIFEST_STAT,
+                       idx=np.int64(SCHEMA_VERSION), value=n.to_numpy(np.float64))
+
+def with_manifest(df:pd.DataFrame)->pd.DataFrame: # rows of one or more steps
+    "`df` with its `manifest_rows` in front (what every sink writes)."
+    return df if df.empty else pd.concat([manifest_rows(df), df], ignore_index=True)
 
 # %% ../nbs/00a_tables.ipynb #07ad4318
 def require_columns(columns, # the table's columns (a DataFrame's `.columns`, a list of names)
@@ -108,26 +129,41 @@ def dataset_files(path:Path)->list: # a dataset directory
 
 # %% ../nbs/00a_tables.ipynb #7ab1e002
 COMMIT_SUFFIX = '.commit'   # `OUT.csv.commit`: one line per step committed to `OUT.csv` while it is being written
+MAX_LINE = 1 << 16          # bytes in one line of a CSV or commit log (opscope writes lines under 1 KiB): longer is refused unparsed
+MAX_COLUMNS = 64            # fields in a CSV header (the schema has 13, 14 with `rank`)
 
 def part_files(parts:Path)->list: # a `.parts` folder of an unfinished Parquet recording
     "Its step files, in step order."
     return sorted(Path(parts).glob('part-*.parquet'))
 
-def _read_parts(parts):
+def _read_parts(parts, path):
     import pyarrow as pa, pyarrow.parquet as pq
-    return pa.concat_tables([pq.read_table(f) for f in part_files(parts)])
-
+    tables = [_parquet_table(f, lambda f: pq.read_table(f)) for f in part_files(parts)]
+    try: return pa.concat_tables(tables, promote_options='permissive').to_pandas(ignore_metadata=True)
+    except Exception as e:
+        if not _damaged(e): raise
+        raise InputError(f"{path}: the parts in {parts} do not fit together ({_first_line(e)})") from None
 
 # %% ../nbs/00a_tables.ipynb #c0a1f15e
+def _commits(log):
+    "`(end, crc, step name)` of each whole line of the commit log `log` (a torn last line is not a commit); a garbled line is refused by number."
+    lines = log.read_bytes().split(b'\n')[:-1]
+    out = []
+    for i, l in enumerate(lines, 1):
+        f = l.split(b'\t', 3)
+        if len(l) > MAX_LINE or len(f) != 4 or not (f[0].isdigit() and len(f[0]) < 19 and f[1].isdigit() and len(f[1]) < 19
+                                                     and re.fullmatch(rb'[0-9a-f]{8}', f[2])):
+            raise InputError(f"{log}: line {i} is not a commit (end, rows, crc32, step: tab-separated); the log was changed after it was written")
+        out.append((int(f[0]), int(f[2], 16), f[3].decode('utf-8', 'replace')))
+    return out
+
 def _committed(path, raw):
     "The bytes of `raw` (the CSV at `path`) up to its last committed step, checked against the commit log left by an interrupted writer."
     log = path.with_name(path.name + COMMIT_SUFFIX)
-    if not log.exists(): return raw
-    lines = [l.split('\t', 3) for l in log.read_text().split('\n')[:-1]]   # a torn last log line is not a commit
+    if not log.is_file(): return raw
     start = 0
-    for end, rows, crc, name in lines:
-        end = int(end)
-        if end > len(raw) or zlib.crc32(raw[start:end]) != int(crc, 16):
+    for end, crc, name in _commits(log):
+        if end < start or end > len(raw) or zlib.crc32(raw[start:end]) != crc:
             raise InputError(f"{path}: {name} does not match its commit in {log.name} (the file was changed after it was written)")
         start = end
     if len(raw) > start:
@@ -140,7 +176,7 @@ def _torn_name(tail, header):
     "Which step a torn tail of a CSV belongs to, from its first line."
     import csv, io
     try:
-        row = next(csv.DictReader(io.StringIO((header + tail.split(b'\n', 1)[0]).decode())))
+        row = next(csv.DictReader(io.StringIO((header[:MAX_LINE] + tail[:MAX_LINE].split(b'\n', 1)[0]).decode())))
         return f"step {row['step']} of run {row['run_id']}"
     except (StopIteration, KeyError, UnicodeDecodeError, csv.Error): return 'a step cut before its first line'
 
@@ -148,20 +184,71 @@ def _torn_name(tail, header):
 def _read_csv(path):
     raw = _committed(path, path.read_bytes())
     if not raw.strip(): raise InputError(f"{path}: empty file, no sketches in it")
+    if b'\n' not in raw[:MAX_LINE + 1]: raise InputError(f"{path}: no line end (\\n) in its first {MAX_LINE:,} bytes: not a sketches CSV")
     if not raw.endswith(b'\n'):
         cut = raw.rfind(b'\n') + 1
         warnings.warn(f"{path}: dropped an incomplete last line (the writer was interrupted mid-line)")
         raw = raw[:cut]
+    if raw.count(b'\n', 0, MAX_LINE + 2) == 1 and raw.endswith(b'\n') and raw.find(b'\n') == len(raw) - 1:
+        raise InputError(f"{path}: a header and no rows, so no sketches in it")
+    _check_lines(raw, path)
     import io
-    try: return pd.read_csv(io.BytesIO(raw), dtype={c: str for c in STR_COLS}, keep_default_na=False, na_values=[''])
-    except pd.errors.ParserError as e: raise InputError(f"{path}: malformed CSV: {e}") from None
+    try: return pd.read_csv(io.BytesIO(raw), dtype={c: str for c in STR_COLS}, keep_default_na=False, na_values=[''], index_col=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as e: raise InputError(f"{path}: malformed CSV: {_first_line(e)}") from None
     except UnicodeDecodeError: raise InputError(f"{path}: not a text CSV file") from None
 
+# %% ../nbs/00a_tables.ipynb #c2e74dbd
+CHUNK = 1 << 24   # bytes checked at a time by `_check_lines` (memory: a few times this)
+
+def _check_lines(raw, path):
+    "Refuse a CSV with a line longer than `MAX_LINE` bytes, a header of more than `MAX_COLUMNS` fields, or a line whose field count is not the header's — before pandas parses it, in vectorized passes (quote-aware where the file has quotes)."
+    head = raw[:raw.find(b'\n') + 1]
+    ncols = _fields(np.frombuffer(head, np.uint8), b'"' in head)[0][0]
+    if ncols > MAX_COLUMNS: raise InputError(f"{path}: line 1 (the header) has {ncols:,} fields; a sketches CSV has {len(SCHEMA)} (and `rank`)")
+    lo, line = 0, 1
+    quoted = b'"' in raw
+    step = len(raw) if quoted else CHUNK       # a quoted field may hold a line end: one pass over the whole file
+    while lo < len(raw):
+        hi = len(raw) if lo + step >= len(raw) else raw.rfind(b'\n', lo, lo + step) + 1
+        if hi <= lo: hi = raw.find(b'\n', lo + step) + 1 or len(raw)
+        fields, length = _fields(np.frombuffer(raw, np.uint8, hi - lo, lo), quoted)
+        bad = np.flatnonzero((fields != ncols) | (length > MAX_LINE))
+        if len(bad):
+            i = int(bad[0])
+            what = f"has {int(fields[i]):,} fields, the header {ncols}" if fields[i] != ncols else f"is {int(length[i]):,} bytes long (at most {MAX_LINE:,})"
+            raise InputError(f"{path}: line {line + i} {what}")
+        lo, line = hi, line + len(fields)
+
+# %% ../nbs/00a_tables.ipynb #c2e74dbe
+def _fields(b, quoted):
+    "Per line of the bytes `b` (whole lines): its field count and its length in bytes; with `quoted`, separators inside quotes do not count."
+    nl, comma = b == 10, b == 44
+    if quoted:
+        out = (np.cumsum(b == 34, dtype=np.int64) & 1).astype(bool)   # inside quotes after this byte (a comma or line end is not a quote)
+        nl &= ~out; comma &= ~out
+    ends = np.flatnonzero(nl)
+    if not len(ends) or ends[-1] != len(b) - 1: ends = np.append(ends, len(b) - 1)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return np.add.reduceat(comma, starts, dtype=np.int64) + 1, ends - starts + 1
+
 # %% ../nbs/00a_tables.ipynb #c2e74dbc-s1
+def _first_line(e): return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+def _damaged(e):
+    "Whether `e` is how pyarrow (or pandas on its metadata) fails on a damaged Parquet file: a bad footer, metadata or page, an absurd size."
+    import pyarrow as pa
+    return isinstance(e, (pa.ArrowException, OSError, MemoryError, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError))
+
+def _parquet_table(path, read, where=''):
+    "`read(path)`, any failure of a damaged Parquet file as one `InputError` naming it."
+    try: return read(path)
+    except Exception as e:
+        if not _damaged(e): raise
+        raise InputError(f"{path}: not a readable Parquet file{where} ({_first_line(e)})") from None
+
 def _read_parquet(path):
-    import pyarrow as pa, pyarrow.parquet as pq
-    try: return pq.read_table(path).to_pandas()
-    except (pa.ArrowInvalid, OSError) as e: raise InputError(f"{path}: not a readable Parquet file ({e})") from None
+    import pyarrow.parquet as pq
+    return _parquet_table(path, lambda p: pq.read_table(p).to_pandas(ignore_metadata=True))   # (pandas' own metadata: not needed, and a garbled copy breaks to_pandas)
 
 INT64_LIMIT = 2.0 ** 63   # |integer column| below this, or int64 would wrap it silently
 
@@ -179,6 +266,7 @@ def _check_int(raw, col, path, line0, c):
 # %% ../nbs/00a_tables.ipynb #c2e74dbc-s3
 def _check(df, path, line0):
     require_columns(df.columns, SCHEMA, str(path))
+    check_columns(df.columns, path)
     for c in INT_COLS + ['value']:
         col = pd.to_numeric(df[c], errors='coerce')
         bad = col.isna()
@@ -188,7 +276,7 @@ def _check(df, path, line0):
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
             where = f"line {i + line0}" if line0 else f"row {i}"
-            raise InputError(f"{path}: {where}: column {c!r} holds {df[c].iloc[i]!r}, not a number")
+            raise InputError(f"{path}: {where}: column {c!r} holds {str(df[c].iloc[i])[:80]!r}, not a number")
         if c != 'value': _check_int(df[c], col, path, line0, c)
         df[c] = col.astype(np.float64 if c == 'value' else np.int64)
     df = as_strings(df, STR_COLS)   # an empty name ('' dist) stays '', not missing
@@ -196,7 +284,8 @@ def _check(df, path, line0):
     if old.any(): df.loc[old, 'stat'] = df.loc[old, 'stat'].map(RENAMED_STATS)   # a schema-1 file
     if 'rank' in df:
         r = pd.to_numeric(df['rank'], errors='coerce')
-        if r.isna().any() or (r % 1 != 0).any(): raise InputError(f"{path}: column 'rank' must hold integers (a torch.distributed rank)")
+        if r.isna().any() or (r % 1 != 0).any() or (r.abs() >= INT64_LIMIT).any():
+            raise InputError(f"{path}: column 'rank' must hold integers (a torch.distributed rank)")
         df['rank'] = r.astype(np.int64)
     rest = (['rank'] if 'rank' in df else []) + [c for c in df.columns if c not in SCHEMA and c != 'rank']
     return df[SCHEMA + rest]
@@ -209,23 +298,167 @@ def _read_dataset(path):
     keys = [p.split('=', 1)[0] for p in files[0].relative_to(path).parts[:-1] if '=' in p]
     part = ds.partitioning(pa.schema([(k, PARTITION_TYPES.get(k, 'string')) for k in keys]), flavor='hive')
     try: t = ds.dataset([str(f) for f in files], format='parquet', partitioning=part, partition_base_dir=str(path)).to_table()
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
-        for f in files:          # name the part that broke
-            try: pq.read_metadata(f)
-            except (pa.ArrowInvalid, OSError): raise InputError(f"{f}: not a readable Parquet file (part of the dataset {path})") from None
-        raise InputError(f"{path}: the dataset's parts do not fit together ({e})") from None
-    df = t.to_pandas()
+    except Exception as e:
+        if not _damaged(e): raise
+        for f in files: _parquet_table(f, lambda f: pq.read_table(f), f' (part of the dataset {path})')   # name the part that broke
+        raise InputError(f"{path}: the dataset's parts do not fit together ({_first_line(e)})") from None
+    df = _parquet_table(path, lambda _: t.to_pandas(ignore_metadata=True))
     return df[[c for c in SCHEMA if c in df] + [c for c in df if c not in SCHEMA]]
+
+# %% ../nbs/00a_tables.ipynb #a1b2c301
+def check_columns(columns, # a table's column names
+                  name:str='the sketches', # names the table in the message
+                 ):
+    "Refuse a column named like one of `RESERVED_COLS` (a `schema_version` column: the version is the manifest's `idx`)."
+    bad = [c for c in RESERVED_COLS if c in set(columns)]
+    if bad: raise InputError(f"{name}: column {bad[0]!r} is not part of opscope's schema (the schema version is the `idx` of each step's "
+                             f"manifest row, stat {MANIFEST_STAT!r}; this opscope reads versions 1 to {SCHEMA_VERSION})")
+
+# %% ../nbs/00a_tables.ipynb #a1b2c302
+def _key_codes(df, cols, code=None, size=1):
+    "One int64 per row, equal for two rows exactly when their `cols` are (and their `code`s, of `size` values, if given)."
+    code = np.zeros(len(df), np.int64) if code is None else code
+    for c in cols:
+        s = df[c]
+        if s.dtype.kind in 'iu' and len(s) and (rng := int(s.max()) - int(s.min()) + 1) <= 4 * len(s): k, n = s.to_numpy(np.int64) - int(s.min()), rng
+        else: k, u = pd.factorize(s); n = len(u) + 1; k = k + 1       # -1 (missing) -> 0
+        if size * n >= 2 ** 62: code, u = pd.factorize(code); size = len(u)   # fold: keep the codes small
+        code, size = code * n + k, size * n
+    return code
+
+def _steps_of(df):
+    "Each row's step as a dense id (steps numbered by their key order), and the first row of each step."
+    _, first, gid = np.unique(_key_codes(df, _step_cols(df)), return_index=True, return_inverse=True)
+    return gid.reshape(-1), first
+
+def _manifest_mask(df): return (df.stat == MANIFEST_STAT).to_numpy(dtype=bool, na_value=False)
+
+def step_summary(df:pd.DataFrame, steps=None)->pd.DataFrame: # sketches (`SCHEMA`), or a partition of whole steps
+    "Per step (`run_id`, `step`, and `rank` where present): `rows` (not counting its manifest), `manifests`, and its manifest's `announced` rows and `version` (NaN without one)."
+    gid, first = steps or _steps_of(df)
+    m, n = _manifest_mask(df), len(first)
+    ann, ver = np.full(n, -np.inf), np.full(n, -np.inf)
+    np.fmax.at(ann, gid[m], df.value.to_numpy(np.float64)[m]); np.fmax.at(ver, gid[m], df.idx.to_numpy(np.float64)[m])   # (few rows: one per step)
+    return df[_step_cols(df)].iloc[first].reset_index(drop=True).assign(
+        rows=np.bincount(gid[~m], minlength=n), manifests=np.bincount(gid[m], minlength=n),
+        announced=np.where(ann == -np.inf, np.nan, ann), version=np.where(ver == -np.inf, np.nan, ver))
+
+# %% ../nbs/00a_tables.ipynb #a1b2c303
+def _key_cols(df): return KEY_COLS + (['rank'] if 'rank' in df else [])
+
+def _smallest(rows, cols, extra=()):
+    "The smallest key of `rows` (the order SQL's `ORDER BY` gives) as a tuple of Python values, then its `extra` columns."
+    r = rows[cols + list(extra)].sort_values(cols, kind='stable').iloc[0]
+    return tuple(int(r[c]) if c in ('step', 'idx', 'rank') else str(r[c]) for c in cols) + tuple(float(r[c]) for c in extra)
+
+def first_duplicate(df:pd.DataFrame, steps=None)->tuple: # sketches, or a partition of whole steps
+    "The smallest key (`KEY_COLS`, `rank` where present) that two data rows of `df` share, or None."
+    gid, first = steps or _steps_of(df)
+    data = ~_manifest_mask(df)
+    code = _key_codes(df, ['site', 'role', 'stat', 'idx'], gid, len(first))[data]
+    s = np.sort(code)                                    # (rows come in key order, nearly: a sort is cheaper than a hash)
+    twice = s[1:][s[1:] == s[:-1]]
+    return _smallest(df[data][np.isin(code, twice)], _key_cols(df)) if len(twice) else None
+
+def first_bad_count(df:pd.DataFrame)->tuple: # sketches, or a partition of whole steps
+    "The smallest key whose row is a count (`COUNT_STATS`) that is not a finite number >= 0, with that value; or None."
+    c = df[df.stat.isin(list(COUNT_STATS)).to_numpy(dtype=bool, na_value=False)]
+    v = c.value.to_numpy(np.float64)
+    bad = ~(np.isfinite(v) & (v >= 0))
+    if not bad.any(): return None
+    return _smallest(c[bad], _key_cols(df), ['value'])
+
+def vet_rows(df:pd.DataFrame)->tuple: # sketches (`SCHEMA`), or a partition of whole steps of them
+    "What `vet_steps` judges in `df`: `(step_summary, first_duplicate, first_bad_count)`."
+    steps = _steps_of(df)
+    return step_summary(df, steps), first_duplicate(df, steps), first_bad_count(df)
+
+# %% ../nbs/00a_tables.ipynb #a1b2c304
+def _step_name(r): return f"step {int(r['step'])} of run {r['run_id']}" + (f" (rank {int(r['rank'])})" if 'rank' in r and not pd.isna(r['rank']) else '')
+
+def _key_text(key, with_rank):
+    cols = KEY_COLS + (['rank'] if with_rank else [])
+    return ', '.join(f"{c}={v!r}" for c, v in zip(cols, key))
+
+def _check_versions(s, name):
+    "Refuse a schema version newer than this opscope's (both named) or one no opscope wrote."
+    v = s.version[s.manifests > 0]
+    if not len(v): return
+    if v.max() > SCHEMA_VERSION:
+        raise InputError(f"{name}: written with sketch schema version {int(v.max())}, newer than version {SCHEMA_VERSION} that this "
+                         "opscope reads: upgrade opscope to read it")
+    odd = s[(s.manifests > 0) & (s.version != SCHEMA_VERSION)]
+    if len(odd): raise InputError(f"{name}: {_step_name(odd.iloc[0])} states schema version {int(odd.version.iloc[0])}, which no opscope writes "
+                                  f"(versions before {SCHEMA_VERSION} have no manifest rows); this opscope reads versions 1 to {SCHEMA_VERSION}")
+
+# %% ../nbs/00a_tables.ipynb #a1b2c305
+STEPS_NAMED = 5   # incomplete steps a warning names one by one
+
+def vet_steps(parts:list, # `vet_rows` of every partition (each holding whole steps), or of the whole table
+              name:str, # names the table in messages (a path, `DataFrame`)
+             )->list:
+    "Judge a table from its partitions' `vet_rows`: raise one `InputError` line for a newer or unknown schema version, a step from two ranks, a duplicated key, a bad count, or a step with more rows (or manifests) than it announces; warn about the steps short of their manifest and return them, `(run_id, step[, rank])` tuples, for `drop_steps`."
+    if not parts: return []
+    s = pd.concat([p[0] for p in parts], ignore_index=True)
+    if s.empty: return []
+    g = [c for c in ['run_id', 'step', 'rank'] if c in s]
+    s = s.astype({'rows': np.int64, 'manifests': np.int64}).sort_values(g, kind='stable').reset_index(drop=True)
+    _check_versions(s, name)
+    if 'rank' in g and s.duplicated(['run_id', 'step']).any():
+        run, step = s.loc[s.duplicated(['run_id', 'step']), ['run_id', 'step']].iloc[0]
+        raise InputError(f"{name}: run {run!r} step {step} was recorded by more than one rank; shards must record global "
+                         "step indices (scale.record_shard does) so that the ranks' steps do not collide")
+    dup = min((p[1] for p in parts if p[1] is not None), default=None)
+    if dup is not None: raise InputError(f"{name}: two rows have the key {_key_text(dup, 'rank' in g)} (a file joined with itself, or a step "
+                                         "written twice); a key is one row")
+    bad = min((p[2] for p in parts if p[2] is not None), default=None)
+    if bad is not None: raise InputError(f"{name}: {bad[4]} at {_key_text(bad[:-1], 'rank' in g)} is {bad[-1]:g}, not a count (a finite number >= 0)")
+    has = s.manifests > 0
+    if not has.any(): return []          # written before manifests (schema 1, 2): the steps cannot be counted
+    for r in s[s.manifests > 1].head(1).to_dict('records'):
+        raise InputError(f"{name}: {_step_name(r)} has {r['manifests']} manifest rows (stat {MANIFEST_STAT!r}); a step has one (written twice?)")
+    whole = has & (s.announced % 1 == 0)
+    for r in s[has & ~whole | whole & (s.rows > s.announced)].head(1).to_dict('records'):
+        raise InputError(f"{name}: {_step_name(r)} holds {r['rows']:,} rows, not the {r['announced']:g} its manifest announces "
+                         "(rows of another step mixed in, or a garbled manifest)")
+    cut = s[~has | (s.rows < s.announced)]
+    if len(cut):
+        named = [f"{_step_name(r)} ({r['rows']:,} of {int(r['announced']):,} rows)" if r['manifests'] else f"{_step_name(r)} (no manifest row, {r['rows']:,} rows)"
+                 for r in cut.head(STEPS_NAMED).to_dict('records')]
+        more = f" and {len(cut) - STEPS_NAMED} more" if len(cut) > STEPS_NAMED else ''
+        warnings.warn(f"{name}: dropped {len(cut)} incomplete step{'s' if len(cut) > 1 else ''}, short of the rows their manifest announces: "
+                      f"{'; '.join(named)}{more} (the file was cut short, or rows were lost after it was written)")
+    return [tuple(int(x) if c != 'run_id' else str(x) for c, x in zip(g, t)) for t in cut[g].itertuples(index=False)]
+
+# %% ../nbs/00a_tables.ipynb #a1b2c306
+def drop_steps(df:pd.DataFrame, # sketches, or a partition of whole steps
+               cut=(), # `(run_id, step[, rank])` tuples from `vet_steps`
+              )->pd.DataFrame:
+    "`df` without its manifest rows and without the rows of the steps `cut`."
+    keep = ~_manifest_mask(df)
+    if len(cut): keep = keep & ~pd.MultiIndex.from_frame(df[_step_cols(df)]).isin(list(cut))
+    return df if keep.all() else df[keep].reset_index(drop=True)
+
+def vet_sketches(df:pd.DataFrame, # sketches (`SCHEMA`; `rank` may follow)
+                 name:str='DataFrame', # names the table in messages
+                )->pd.DataFrame:
+    "`df` vetted as every engine vets it (`vet_rows`, `vet_steps`): without its manifest rows and incomplete steps, or an `InputError`."
+    check_columns(df.columns, name)
+    if df.empty: return df
+    return drop_steps(df, vet_steps([vet_rows(df)], name))
 
 # %% ../nbs/00a_tables.ipynb #64e5efb3
 def read_sketches(path)->pd.DataFrame:
-    "The tidy sketches in a `.csv` or `.parquet` file or a Parquet dataset directory, validated against `SCHEMA` (`rank` may follow)."
+    "The tidy sketches in a `.csv` or `.parquet` file or a Parquet dataset directory, validated against `SCHEMA` (`rank` may follow) and vetted (`vet_sketches`)."
     path = Path(path)
+    return vet_sketches(_read_checked(path), str(path))
+
+def _read_checked(path):
     parts = path.with_name(path.name + '.parts')
     if not path.exists():
         if parts.is_dir() and any(parts.glob('part-*.parquet')):
             warnings.warn(f"{path}: reading the parts of an interrupted run from {parts}")
-            return _check(_read_parts(parts).to_pandas(), path, 0)
+            return _check(_read_parts(parts, path), path, 0)
         raise FileNotFoundError(f"{path}: no such file")
     if parts.is_dir() and path.is_file():   # the writer combined the parts into `path`, then was stopped before removing them
         warnings.warn(f"{path}: ignoring the left-over parts folder {parts} (its steps are all in {path.name})")

@@ -119,7 +119,7 @@ def test_reexports():
 
 
 def test_mining_imports_no_torch():
-    "The miner and the Dask workers' partials run without torch (DESIGN: mining needs only pandas/numpy)."
-    code = "import sys, opscope.partials, opscope.miner; assert 'torch' not in sys.modules, 'torch imported'"
+    "The miner, the Dask workers' partials and the `opscope-mine` console script's module run without torch (DESIGN: mining needs only pandas/numpy)."
+    code = "import sys, opscope.partials, opscope.miner, opscope.mine_cli; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

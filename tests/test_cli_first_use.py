@@ -83,11 +83,11 @@ def test_hf_folder_transformers_cannot_load_is_one_line(hf_dir, tmp_path, capsys
     cfg = unknown / 'config.json'
     cfg.write_text(cfg.read_text().replace('"model_type": "llama"', '"model_type": "nosuchmodel"'))
     w = next(torn.glob('*.safetensors')); w.write_bytes(w.read_bytes()[:1000])
-    for d, msg in [(unknown, 'nosuchmodel'), (torn, 'SafetensorError')]:
+    for d, msg in [(unknown, 'nosuchmodel'), (torn, 'model.safetensors: ')]:   # the torn weights file named, checked before transformers reads it
         code, err = _call(capsys, str(tmp_path / 'o.csv'), hf=str(d), prompts=str(hf_dir.parent / 'p.txt'))
         lines = err.strip().splitlines()
         assert code == 2 and 'Traceback' not in err, err
-        assert lines[-1].startswith(f'opscope-record: error: {d}: ') and msg in lines[-1], err
+        assert lines[-1].startswith(f'opscope-record: error: {d}') and msg in lines[-1], err
     assert not (tmp_path / 'o.csv').exists()
 
 
@@ -136,3 +136,86 @@ def test_infer_hf_decoder_mines_the_rows_it_wrote(hf_dir, cli, tmp_path):
             '--max-new-tokens', '2')
     assert r.returncode == 0, r.stderr
     assert '2 steps, gate passed' in r.stdout and read_sketches(tmp_path / 'i.csv').step.nunique() == 2
+
+
+# --- sampling a decoder's recording from the command line (issue 33, item 8) -----------------------------------------
+
+def test_every_and_vectors(hf_dir, tmp_path, capsys):
+    "`--every 2 --vectors chan_absmax`: the prefill and every second decode step, only the chosen vector stat (plus the shape stats)."
+    from opscope.runners import VECTOR_STATS, DIM_STATS
+    out = tmp_path / 'e.parquet'
+    code, err = _call(capsys, str(out), hf=str(hf_dir), prompts=str(hf_dir.parent / 'p.txt'), max_new_tokens=5, every=2,
+                      vectors='chan_absmax')
+    assert code == 0, err
+    df = read_sketches(out)
+    assert sorted(df.step.unique()) == [0, 2, 4]
+    kept = set(df.stat) & set(VECTOR_STATS)
+    assert 'chan_absmax' in kept and kept <= {'chan_absmax', *DIM_STATS}, kept
+    assert 'hist' not in set(df.stat)
+    full = tmp_path / 'f.parquet'
+    assert _call(capsys, str(full), hf=str(hf_dir), prompts=str(hf_dir.parent / 'p.txt'), max_new_tokens=5)[0] == 0
+    whole = read_sketches(full)
+    assert 'hist' in set(whole.stat) and sorted(whole.step.unique()) == [0, 1, 2, 3, 4]
+    s = whole[whole.step.isin([0, 2, 4]) & (whole.stat == 'chan_absmax')].sort_values(['step', 'site', 'role', 'idx']).value.to_numpy()
+    e = df[df.stat == 'chan_absmax'].sort_values(['step', 'site', 'role', 'idx']).value.to_numpy()
+    import numpy as np
+    assert np.allclose(s, e, rtol=1e-4, atol=1e-6, equal_nan=True)               # the sampled steps are the same steps (the plain steps between round alike)
+
+
+@pytest.mark.parametrize('kw,says', [
+    (dict(every=0), '--every must be 1 to 4,096'),
+    (dict(every=4097), '--every must be 1 to 4,096'),
+    (dict(vectors='hist,bogus'), "--vectors 'hist,bogus': unknown stat(s) bogus; choose from chan_absmax"),
+    (dict(vectors=','), 'unknown stat(s) (none given)'),
+])
+def test_every_and_vectors_refused(hf_dir, tmp_path, capsys, kw, says):
+    code, err = _call(capsys, str(tmp_path / 'r.csv'), hf=str(hf_dir), prompts=str(hf_dir.parent / 'p.txt'), max_new_tokens=5, **kw)
+    assert code == 2 and says in err and err.count('\n') == 1, err
+    assert not (tmp_path / 'r.csv').exists()
+
+
+def test_every_with_a_factory_refused(tmp_path, capsys):
+    (tmp_path / 'f.py').write_text("import torch\ndef make(): return torch.nn.Linear(4, 2), [torch.randn(3, 4)]\n")
+    code, err = _call(capsys, str(tmp_path / 'r.csv'), model=f'{tmp_path}/f.py:make', every=2)
+    assert code == 2 and '--every and --vectors go with --hf and a decoder' in err, err
+
+
+def test_vectors_none_keeps_the_shapes(hf_dir, tmp_path, capsys):
+    from opscope.runners import VECTOR_STATS, DIM_STATS
+    out = tmp_path / 'n.csv'
+    code, err = _call(capsys, str(out), hf=str(hf_dir), prompts=str(hf_dir.parent / 'p.txt'), max_new_tokens=2, vectors='none')
+    assert code == 0, err
+    assert set(read_sketches(out).stat) & set(VECTOR_STATS) <= set(DIM_STATS)
+    mine(out)                                                       # minable as it is
+
+
+# --- a real decoder's recording streamed into a dataset, killed (issue 35, item 5) ---------------------------------
+
+@pytest.mark.slow
+def test_killed_hf_recording_into_a_dataset(hf_dir, tmp_path):
+    "`opscope-record --hf DIR ds/` SIGKILLed mid-generate: every finished step is a whole part, minable; memory per step flat."
+    import os, signal, subprocess, sys, time
+    from conftest import read_with_warnings
+    out = tmp_path / 'ds'
+    code = ("import sys, opscope.recorder as r, time\n"
+            "w = r.Recorder.write\n"
+            "def slow(self, df): w(self, df); time.sleep(0.2)\n"          # a slow disk: the run is long enough to be killed mid-way
+            "r.Recorder.write = slow\n"
+            "from opscope.cli import opscope_record, console\n"
+            "console(opscope_record, sys.argv[1:])\n")
+    p = subprocess.Popen([sys.executable, '-c', code, f'{out}/', '--hf', str(hf_dir), '--prompts', str(hf_dir.parent / 'p.txt'),
+                          '--max-new-tokens', '400'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    t, rss = time.monotonic(), []
+    while len(list(out.rglob('part-*.parquet'))) < 30 and p.poll() is None and time.monotonic() - t < 240:
+        rss.append(int(open(f'/proc/{p.pid}/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20)
+        time.sleep(0.1)
+    p.send_signal(signal.SIGKILL); p.wait()
+    parts = list(out.rglob('part-*.parquet'))
+    assert len(parts) >= 30, p.stderr.read()[-2000:]
+    df, warned = read_with_warnings(out)
+    per_step = df.groupby('step').size()
+    assert len(per_step) == len(parts) and (per_step.iloc[1:] == per_step.iloc[1]).all(), per_step   # whole steps only
+    assert not mine(out).empty
+    n = len(rss)                                    # after the first decode steps, memory stays flat while parts accumulate
+    assert max(rss[n // 2:]) - max(rss[n // 4: n // 2]) < 50, (rss[n // 4], rss[-1])

@@ -87,6 +87,42 @@ def test_dask_refuses_rank_clash_and_bad_input(sketches, cluster, tmp_path):
     assert mine_dask(one.iloc[:0], cluster).empty
 
 
+
+def _three(src, cluster):
+    "((outcome, message or findings), incomplete-step warnings) of the three engines on `src`."
+    import warnings
+    out = []
+    for f in (mine, mine_duckdb, lambda x: mine_dask(x, cluster)):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            try: r = ('ok', f(src))
+            except ValueError as e: r = ('err', str(e))
+        out.append((r, sorted(str(x.message) for x in w if 'incomplete step' in str(x.message))))
+    return out
+
+
+def test_dask_vets_as_the_other_engines(sketches, cluster, tmp_path):
+    "Issue #34: a part that lost rows (dropped, the same warning), a row twice, a newer schema, non-finite values: the three engines agree."
+    from opscope.tables import dataset_files, MANIFEST_STAT, COUNT_STATS
+    df, ds = sketches
+    cut, dup, new = (tmp_path / n for n in ('cut', 'dup', 'new'))
+    for d in (cut, dup, new): shutil.copytree(ds, d)
+    part = dataset_files(cut)[2]; t = pd.read_parquet(part); t.iloc[:-5].to_parquet(part, index=False)
+    part = dataset_files(dup)[1]; t = pd.read_parquet(part); pd.concat([t, t.iloc[7:8]]).to_parquet(part, index=False)
+    part = dataset_files(new)[0]; t = pd.read_parquet(part); t.loc[t.stat == MANIFEST_STAT, 'idx'] += 1; t.to_parquet(part, index=False)
+    one = df[df.run_id == 'mnist']
+    rng = np.random.default_rng(3)
+    mixed = one.copy(); m = (rng.random(len(one)) < 0.2) & ~one.stat.isin(COUNT_STATS).to_numpy()
+    mixed.loc[m, 'value'] = rng.choice([np.inf, -np.inf, np.nan], m.sum())
+    for src, want in ((cut, 'ok'), (dup, 'two rows have the key'), (new, 'newer than version'), (one.assign(value=np.inf), 'not a count'),
+                      (one.assign(value=np.nan), 'not a count'), (mixed, 'ok')):
+        (a, wa), (b, wb), (c, wc) = _three(src, cluster)
+        assert a[0] == b[0] == c[0] and wa == wb == wc, (a, b, c, wa, wb, wc)
+        if a[0] == 'ok': assert same_findings(a[1], b[1]) and same_findings(a[1], c[1])
+        else: assert a[1] == b[1] == c[1] and want in a[1], (a, b, c)
+        assert (want == 'ok') == (a[0] == 'ok')
+        if src is cut: assert len(wa) == 1 and 'dropped 1 incomplete step' in wa[0]
+
 def test_missing_dask_names_the_extra(monkeypatch):
     real = builtins.__import__
     def no_dask(name, *a, **k):

@@ -409,7 +409,7 @@ def test_library_bug_in_a_cli_shows_its_traceback(tmp_path):
     code = textwrap.dedent(f"""
         from opscope.recorder import sweep
         sweep({str(sk)!r}, shapes=((8, 16, 16),), dists=['gaussian'], steps=1)
-        import opscope.cli as c
+        import opscope.mine_cli as c
         def bug(*a, **k): raise ValueError('mine broke')
         c.mine = bug
         c.opscope_mine(inp={str(sk)!r})

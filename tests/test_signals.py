@@ -55,8 +55,9 @@ def _signal_in_combine(sig):
 
 def _slow_mine(marker):
     "`mine` that says it started (a file) and takes a minute: a command that records nothing, signalled mid-work."
+    import opscope.mine_cli as mc
     def mine(*a, **k): Path(marker).touch(); time.sleep(60)
-    cli.mine = mine
+    mc.mine = mine
 
 
 PATCHES = dict(slow_steps=_slow_steps, signal_at_close=_signal_at_close, signal_in_combine=_signal_in_combine, slow_mine=_slow_mine)

@@ -3,6 +3,7 @@ import json, math, pickle, re, struct, warnings
 from pathlib import Path
 import numpy as np
 import pandas as pd
+from opscope.tables import MANIFEST_STAT
 import pytest, torch
 from hypothesis import given, settings, HealthCheck, strategies as st
 from pandas._libs.parsers import STR_NA_VALUES
@@ -167,9 +168,11 @@ def test_plain_read_csv_keeps_every_stat_name(tmp_path):
     p = tmp_path / 'sk.csv'
     rec = record(m, [zoo.example_input(m, seed=700 + s) for s in range(2)], run_id='t', sink=p, keep=True)
     plain = pd.read_csv(p)                                  # pandas' defaults, no keep_default_na
-    assert plain.stat.notna().all() and plain.role.notna().all()
-    assert set(plain.stat) == set(rec.stat) and {'nan_count', 'inf_count'} <= set(plain.stat)
-    assert len(plain) == len(rec)
+    assert plain.stat.notna().all()
+    manifest = plain.stat == MANIFEST_STAT                  # each step opens with its manifest row: no site, no role
+    assert manifest.sum() == 2 and plain[~manifest].role.notna().all() and plain[manifest].role.isna().all()
+    assert set(plain.stat) - {MANIFEST_STAT} == set(rec.stat) and {'nan_count', 'inf_count'} <= set(plain.stat)
+    assert len(plain) == len(rec) + 2
 
 
 def test_schema_1_files_read_with_new_names(tmp_path):
@@ -247,7 +250,7 @@ def test_save_load_round_trips_random_dicts(tmp_path, ts):
 @pytest.mark.parametrize('payload, why', [
     (lambda p: p.write_bytes(pickle.dumps({'a': 1}, protocol=2)), 'pickle'),
     (lambda p: torch.save({'w': torch.ones(2)}, p), 'zip archive'),
-    (lambda p: p.write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a": [1, 2, 3]}'), 'bad header'),
+    (lambda p: p.write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a": [1, 2, 3]}'), "tensor 'a': is \\[1, 2, 3\\], not a tensor entry"),
     (lambda p: p.write_bytes(struct.pack('<Q', 1 << 40) + b'{}'), 'bad header'),
     (lambda p: p.write_bytes(b'\x80\x00'), 'pickle'),
     (lambda p: p.write_bytes(b''), 'bad header')])
