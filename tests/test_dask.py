@@ -5,7 +5,7 @@ import pyarrow as pa, pyarrow.parquet as pq
 
 from opscope.zoo import mnist_mlp, mnist_batches, moe, planted_attention, example_input, transformer
 from opscope.recorder import record, sweep, Recorder
-from opscope.tables import read_sketches
+from opscope.tables import read_sketches, COUNT_STATS
 from opscope.miner import mine, INFER_EXPLOITS
 from opscope.scale import mine_duckdb, mine_dask, same_findings, ClusterError
 
@@ -141,7 +141,8 @@ def _replicate(src, dst, times):
             t = pq.read_table(f)
             s = t['step'].to_numpy() + k * n
             t = t.set_column(t.schema.get_field_index('step'), 'step', pa.array(s, pa.int64()))
-            t = t.set_column(t.schema.get_field_index('value'), 'value', pa.array(t['value'].to_numpy() * (1 + 1e-3 * k)))
+            keep = np.isin(t['stat'].to_numpy(zero_copy_only=False), list(COUNT_STATS))   # counts and the step's manifest stay as they are
+            t = t.set_column(t.schema.get_field_index('value'), 'value', pa.array(np.where(keep, t['value'].to_numpy(), t['value'].to_numpy() * (1 + 1e-3 * k))))
             out = dst / f.relative_to(src).parent / f'part-{int(s[0]):09d}.parquet'
             out.parent.mkdir(parents=True, exist_ok=True)
             pq.write_table(t, out)
