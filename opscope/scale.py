@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_scale.ipynb #4a8d0cee
 from __future__ import annotations
-import os, socket, time
+import logging, os, socket, time
 from itertools import chain, islice
 from pathlib import Path
 import numpy as np
@@ -520,8 +520,8 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
     dask, dd, distributed = _dask()
     cluster = None
     if client is None:
-        cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                                           memory_limit=memory_limit, dashboard_address=None)
+        cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=memory_limit,
+                                           dashboard_address=None, silence_logs=logging.ERROR)   # its notes (shuffles, pauses) are not the user's: a failure is one ClusterError
     c = client if isinstance(client, distributed.Client) else distributed.Client(cluster or client)
     try:
         watch = _Watch(c, patience)
