@@ -20,7 +20,7 @@ from .recorder import record
 from .miner import mine
 from .scale import mine_duckdb
 from .online import OnlineRecorder
-from .plan import read_csv_table, as_numbers
+from .tables import read_csv_table, as_numbers
 from .tables import InputError
 
 # %% auto #0

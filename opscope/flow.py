@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 from .zoo import get_model, model_names
 from .tables import InputError, atomic_write
-from .probe import json_depth
+from .tables import json_depth
 
 
 # %% auto #0

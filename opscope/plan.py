@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_plan.ipynb #8aad5bed
 from __future__ import annotations
-import copy, csv, io, math, re
+import copy, math, re
 import operator as _op
 from collections import namedtuple
 from functools import lru_cache
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .exploits import REGISTRY, Kernel, SiteEvidence, FINITE_GUARD, planned, format_channels, parse_channels
 from . import kernels   # the builders a record names
 from .miner import crest_nz, mine, stationary, step_table, drop_nonfinite_steps, CROSS_STATS, INT8_MAX_CREST, FINDINGS
-from .tables import InputError, MissingError, require_columns
+from .tables import InputError, MissingError, read_csv_table, as_numbers, row_error
 from .sites import matmul_sites
 from .probe import rank_at_energy, dump_sites
 from .shapes import op_costs, roofline, measure_machine
@@ -26,10 +26,10 @@ from .shapes import op_costs, roofline, measure_machine
 
 # %% auto #0
 __all__ = ['GUARD_STATS', 'CHANNEL_STATS', 'GUARD_OPS', 'Clause', 'GUARD_STAT', 'BENCH_BLOCK_S', 'BENCH_ROUNDS', 'PLAN_COLUMNS',
-           'NOT_WORTH_IT', 'TEXT_COLUMNS', 'LOSSY_REL_TOL', 'MAX_TABLE_BYTES', 'PLAN_INTS', 'PLAN_FLOATS',
-           'parse_guard', 'format_guard', 'guard_holds', 'sketch_values', 'live_values', 'synthesize_guard', 'builder',
-           'make_kernel', 'est_speedup', 'ab_bench', 'draw_like', 'stationary_taps', 'plan', 'GuardedLinear', 'choose',
-           'specialize', 'check_specialized', 'format_plan', 'read_csv_table', 'read_findings', 'read_plan']
+           'NOT_WORTH_IT', 'TEXT_COLUMNS', 'LOSSY_REL_TOL', 'PLAN_INTS', 'PLAN_FLOATS', 'parse_guard', 'format_guard',
+           'guard_holds', 'sketch_values', 'live_values', 'synthesize_guard', 'builder', 'make_kernel', 'est_speedup',
+           'ab_bench', 'draw_like', 'stationary_taps', 'plan', 'GuardedLinear', 'choose', 'specialize',
+           'check_specialized', 'format_plan', 'read_findings', 'read_plan']
 
 # %% ../nbs/07_plan.ipynb #e5875b62
 GUARD_STATS = ('density', 'absmax', 'rms', 'nan_count', 'inf_count', 'crest', 'chan_absmax', 'chan_density')
@@ -490,71 +490,14 @@ def format_plan(plans:pd.DataFrame)->str:
     w = [max(len(c[i]) for c in cols) for i in range(len(cols[0]) - 1)]
     return '\n'.join(['  '.join([c[i].ljust(w[i]) for i in range(len(w))] + [c[-1]]).rstrip() for c in cols] + skipped)
 
-# %% ../nbs/07_plan.ipynb #c5a0d002
-MAX_TABLE_BYTES = 64 * 2**20   # a findings, plan or benchmark CSV larger than this is not one opscope wrote
-
-def _text(path, what)->str:
-    "The UTF-8 text of the small table file `path`, or one `InputError` naming it (and the line of a bad byte)."
-    p = Path(path)
-    if not p.exists(): raise FileNotFoundError(f"{path}: no such file")
-    if not p.is_file(): raise InputError(f"{path}: a folder, not {what} (.csv)")
-    if p.stat().st_size > MAX_TABLE_BYTES: raise InputError(f"{path}: {p.stat().st_size:,} bytes, more than {what} holds (at most {MAX_TABLE_BYTES:,})")
-    raw = p.read_bytes()
-    line = lambda at: raw.count(10, 0, at) + 1
-    if b'\0' in raw: raise InputError(f"{path}: line {line(raw.index(0))}: a NUL byte, so a binary file, not {what} (.csv)")
-    try: return raw.decode('utf-8')
-    except UnicodeDecodeError as e: raise InputError(f"{path}: line {line(e.start)}: not UTF-8 text, so not {what} (.csv)") from None
-
-# %% ../nbs/07_plan.ipynb #c5a0d003
-def read_csv_table(path, # a small CSV that opscope wrote whole (findings, a plan, a benchmark report)
-                   what:str='a table', # what it should be, for the messages ('findings', 'a plan')
-                   need=(), # the columns it must have
-                  )->pd.DataFrame:
-    "Every cell of the CSV at `path` as text, each row's line in `.attrs['lines']`; one `InputError` naming the file and the line for anything a writer of whole files does not leave."
-    r = csv.reader(io.StringIO(_text(path, what), newline=''), strict=True)
-    try:
-        head = next(r, None)
-        if not head or head == ['']: raise InputError(f"{path}: empty file, not {what}")
-        dup = next((c for i, c in enumerate(head) if c in head[:i]), None)
-        if dup is not None: raise InputError(f"{path}: line 1: column {dup!r} appears twice")
-        rows, lines = [], []
-        for row in r:
-            if row == []: continue
-            if len(row) != len(head): raise InputError(f"{path}: line {r.line_num}: {len(row)} fields, but the header names {len(head)}")
-            rows.append(row); lines.append(r.line_num)
-    except csv.Error as e: raise InputError(f"{path}: line {r.line_num}: malformed CSV ({e})") from None
-    require_columns(head, list(need), str(path))
-    df = pd.DataFrame(rows, columns=head, dtype=str) if rows else pd.DataFrame({c: pd.Series(dtype=str) for c in head})
-    df.attrs['lines'] = lines
-    return df
-
-# %% ../nbs/07_plan.ipynb #c5a0d004
-def _bad(path, df, mask, col, why):
-    "An `InputError` naming the first row of `df` where `mask` holds, by its line in the file."
-    i = int(np.flatnonzero(np.asarray(mask))[0])
-    return InputError(f"{path}: line {df.attrs['lines'][i]}: column {col!r} holds {str(df[col].iloc[i])[:60]!r}, {why}")
-
-def as_numbers(df, path, cols, ints=(), nonneg=()):
-    "`df` with `cols` as float64 ('' is NaN) and `ints` as int64 (`nonneg` at least 0), or an `InputError` naming the file, line and column."
-    out = {}
-    for c in list(cols) + list(ints):
-        x = pd.to_numeric(df[c].where(df[c] != ''), errors='coerce')
-        if (x.isna() & (df[c] != '') & ~df[c].str.lower().isin(['nan'])).any(): raise _bad(path, df, x.isna() & (df[c] != ''), c, 'not a number')
-        if c in ints:
-            bad = x.isna() | ~(x.abs() < 2.0 ** 63) | (x % 1 != 0) | ((x < 0) if c in nonneg else False)
-            if bad.any(): raise _bad(path, df, bad, c, 'not an integer' + (' of at least 0' if c in nonneg else ''))
-            x = x.astype(np.int64)
-        out[c] = x
-    return df.assign(**out)
-
 # %% ../nbs/07_plan.ipynb #c5a0d005
 def read_findings(path, # a findings CSV, as `opscope-mine --out` writes it
                  )->pd.DataFrame:
     "The findings at `path` (`miner.FINDINGS` columns, text as `str`, `idx` int64, `value` float64, every exploit registered), or one `InputError` naming file, line and column."
     df = as_numbers(read_csv_table(path, 'findings', FINDINGS), path, ['value'], ints=['idx'])
     bad = ~df.exploit.isin(list(REGISTRY))
-    if bad.any(): raise _bad(path, df, bad, 'exploit', 'not a registered exploit')
-    if (df.site == '').any(): raise _bad(path, df, df.site == '', 'site', 'an empty site name')
+    if bad.any(): raise row_error(path, df, bad, 'exploit', 'not a registered exploit')
+    if (df.site == '').any(): raise row_error(path, df, df.site == '', 'site', 'an empty site name')
     return df
 
 # %% ../nbs/07_plan.ipynb #c5a0d006
@@ -567,7 +510,7 @@ def read_plan(path, # a plan CSV, as `opscope-plan --out` writes it
     df = as_numbers(read_csv_table(path, 'a plan', PLAN_COLUMNS), path, PLAN_FLOATS, ints=PLAN_INTS, nonneg=PLAN_INTS)
     for c, ok, why in (('exploit', df.exploit.isin(list(REGISTRY)), 'not a registered exploit'), ('site', df.site != '', 'an empty site name'),
                        ('exact', df.exact.isin(['True', 'False']), 'not True or False'), ('M', (df[['M', 'K', 'N']] > 0).all(axis=1), 'a shape of sizes 0')):
-        if not ok.all(): raise _bad(path, df, ~ok, c, why)
+        if not ok.all(): raise row_error(path, df, ~ok, c, why)
     for i, r in enumerate(df.itertuples()):
         try:
             if r.guard: parse_guard(r.guard)

@@ -12,14 +12,14 @@ import pandas as pd
 import torch
 from . import zoo
 from .sites import trace, matmul_sites
-from .tables import InputError, MissingError, atomic_write
+from .tables import InputError, MissingError, atomic_write, json_depth
 
 
 # %% auto #0
 __all__ = ['MAX_HEADER', 'MAX_JSON_DEPTH', 'ST_DTYPES', 'MAX_SVD_ROWS', 'MAX_UNIQUE_NUMEL', 'Factoring', 'TWO_FOUR_KEEP',
            'TwoFour', 'QUANT_OK_DB', 'Cardinality', 'MIN_FACTOR_SAVING', 'RANK_COLS', 'PROBE_MODELS', 'save_tensors',
-           'json_depth', 'safetensors_header', 'load_tensors', 'dump_sites', 'effective_rank', 'rank_at_energy',
-           'two_four', 'quantize', 'quant_error', 'cardinality', 'lut_verdict', 'probe', 'rank_table', 'probe_pointers',
+           'safetensors_header', 'load_tensors', 'dump_sites', 'effective_rank', 'rank_at_energy', 'two_four',
+           'quantize', 'quant_error', 'cardinality', 'lut_verdict', 'probe', 'rank_table', 'probe_pointers',
            'sweep_ranks', 'model_tensors', 'probe_report']
 
 # %% ../nbs/05_probe.ipynb #c5357b9c
@@ -46,34 +46,7 @@ def _why_not(head):
     if head[:1] == b'\x80': return "a Python pickle"
     return "not a safetensors file (bad header)"
 
-# %% ../nbs/05_probe.ipynb #e6ff95c9-s1
-_DEPTH_CHUNK = 1 << 22   # bytes scanned per numpy pass: bounded memory on a 100 MB header
-
-def _depth_chunk(c, state):
-    "Scan the JSON bytes `c`, carrying `state` = [inside a string, backslashes just before, depth] across chunks; the deepest level in `c`."
-    in_str, run, depth = state
-    m, idx = len(c), np.arange(len(c))
-    last = np.maximum.accumulate(np.where(c == 92, -1, idx))      # the last byte at or before i that is not a backslash
-    q = np.flatnonzero(c == 34)
-    prev = np.where(q > 0, last[q - 1], -1)
-    before = np.where(prev >= 0, q - 1 - prev, q + run)             # backslashes just before each quote (a run may begin in the chunk before)
-    d = np.zeros(m, np.int8); d[q[before % 2 == 0]] = 1             # the quotes that open or close a string
-    s = (np.cumsum(d, dtype=np.int64) + in_str) % 2 == 1
-    step = np.where(s, 0, ((c == 91) | (c == 123)).astype(np.int8) - ((c == 93) | (c == 125)).astype(np.int8))
-    lvl = np.cumsum(step, dtype=np.int64) + depth
-    state[:] = [bool(s[-1]), run + m if last[-1] < 0 else m - 1 - int(last[-1]), int(lvl[-1])]
-    return int(lvl.max())
-
 # %% ../nbs/05_probe.ipynb #e6ff95c9-s1b
-def json_depth(text, # a JSON document (str or bytes), not yet parsed
-              )->int:
-    "How deep `[` and `{` nest in `text` outside its strings, measured without parsing it (numpy, chunk by chunk: bounded time and memory on any input)."
-    b = text.encode('utf-8', 'surrogatepass') if isinstance(text, str) else bytes(text)
-    state, deepest = [False, 0, 0], 0
-    for i in range(0, len(b), _DEPTH_CHUNK):
-        deepest = max(deepest, _depth_chunk(np.frombuffer(b, np.uint8, min(_DEPTH_CHUNK, len(b) - i), i), state))
-    return deepest
-
 def _short(v, n=60)->str:
     "`repr(v)`, cut to `n` characters for a one-line message."
     r = repr(v)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_tables.ipynb #6816d233
 from __future__ import annotations
-import contextlib, os, re, tempfile, warnings, zlib
+import contextlib, csv, io, os, re, tempfile, warnings, zlib
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -12,9 +12,10 @@ import pandas as pd
 # %% auto #0
 __all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'MINE_COLS', 'PARTITION_TYPES', 'KEY_COLS',
            'MANIFEST_STAT', 'COUNT_STATS', 'RESERVED_COLS', 'TEXT_COLS', 'COMMIT_SUFFIX', 'MAX_LINE', 'MAX_COLUMNS',
-           'STEPS_NAMED', 'InputError', 'ModelError', 'MissingError', 'atomic_write', 'manifest_rows', 'with_manifest',
-           'require_columns', 'as_strings', 'dataset_files', 'part_files', 'check_columns', 'step_summary',
-           'first_duplicate', 'first_bad_count', 'vet_rows', 'vet_steps', 'drop_steps', 'vet_sketches', 'read_sketches']
+           'STEPS_NAMED', 'MAX_TABLE_BYTES', 'InputError', 'ModelError', 'MissingError', 'atomic_write',
+           'manifest_rows', 'with_manifest', 'require_columns', 'as_strings', 'dataset_files', 'part_files',
+           'check_columns', 'step_summary', 'first_duplicate', 'first_bad_count', 'vet_rows', 'vet_steps', 'drop_steps',
+           'vet_sketches', 'read_sketches', 'json_depth', 'read_csv_table', 'row_error', 'as_numbers']
 
 # %% ../nbs/00a_tables.ipynb #87253b86
 class InputError(ValueError):
@@ -467,3 +468,88 @@ def _read_checked(path):
     if fmt == '.csv': return _check(_read_csv(path), path, 2)
     if fmt == '.parquet': return _check(_read_parquet(path), path, 0)
     raise InputError(f"{path}: unknown format {path.suffix or '(no extension)'!r}; expected .csv or .parquet, or a dataset directory")
+
+# %% ../nbs/00a_tables.ipynb #a3c384c7
+_DEPTH_CHUNK = 1 << 22   # bytes scanned per numpy pass: bounded memory on a 100 MB header
+
+def _depth_chunk(c, state):
+    "Scan the JSON bytes `c`, carrying `state` = [inside a string, backslashes just before, depth] across chunks; the deepest level in `c`."
+    in_str, run, depth = state
+    m, idx = len(c), np.arange(len(c))
+    last = np.maximum.accumulate(np.where(c == 92, -1, idx))      # the last byte at or before i that is not a backslash
+    q = np.flatnonzero(c == 34)
+    prev = np.where(q > 0, last[q - 1], -1)
+    before = np.where(prev >= 0, q - 1 - prev, q + run)             # backslashes just before each quote (a run may begin in the chunk before)
+    d = np.zeros(m, np.int8); d[q[before % 2 == 0]] = 1             # the quotes that open or close a string
+    s = (np.cumsum(d, dtype=np.int64) + in_str) % 2 == 1
+    step = np.where(s, 0, ((c == 91) | (c == 123)).astype(np.int8) - ((c == 93) | (c == 125)).astype(np.int8))
+    lvl = np.cumsum(step, dtype=np.int64) + depth
+    state[:] = [bool(s[-1]), run + m if last[-1] < 0 else m - 1 - int(last[-1]), int(lvl[-1])]
+    return int(lvl.max())
+
+# %% ../nbs/00a_tables.ipynb #c7765144
+def json_depth(text, # a JSON document (str or bytes), not yet parsed
+              )->int:
+    "How deep `[` and `{` nest in `text` outside its strings, measured without parsing it (numpy, chunk by chunk: bounded time and memory on any input)."
+    b = text.encode('utf-8', 'surrogatepass') if isinstance(text, str) else bytes(text)
+    state, deepest = [False, 0, 0], 0
+    for i in range(0, len(b), _DEPTH_CHUNK):
+        deepest = max(deepest, _depth_chunk(np.frombuffer(b, np.uint8, min(_DEPTH_CHUNK, len(b) - i), i), state))
+    return deepest
+
+# %% ../nbs/00a_tables.ipynb #1337be7b
+MAX_TABLE_BYTES = 64 * 2**20   # a findings, plan or benchmark CSV larger than this is not one opscope wrote
+
+def _text(path, what)->str:
+    "The UTF-8 text of the small table file `path`, or one `InputError` naming it (and the line of a bad byte)."
+    p = Path(path)
+    if not p.exists(): raise FileNotFoundError(f"{path}: no such file")
+    if not p.is_file(): raise InputError(f"{path}: a folder, not {what} (.csv)")
+    if p.stat().st_size > MAX_TABLE_BYTES: raise InputError(f"{path}: {p.stat().st_size:,} bytes, more than {what} holds (at most {MAX_TABLE_BYTES:,})")
+    raw = p.read_bytes()
+    line = lambda at: raw.count(10, 0, at) + 1
+    if b'\0' in raw: raise InputError(f"{path}: line {line(raw.index(0))}: a NUL byte, so a binary file, not {what} (.csv)")
+    try: return raw.decode('utf-8')
+    except UnicodeDecodeError as e: raise InputError(f"{path}: line {line(e.start)}: not UTF-8 text, so not {what} (.csv)") from None
+
+# %% ../nbs/00a_tables.ipynb #85cc2e2f
+def read_csv_table(path, # a small CSV that opscope wrote whole (findings, a plan, a benchmark report)
+                   what:str='a table', # what it should be, for the messages ('findings', 'a plan')
+                   need=(), # the columns it must have
+                  )->pd.DataFrame:
+    "Every cell of the CSV at `path` as text, each row's line in `.attrs['lines']`; one `InputError` naming the file and the line for anything a writer of whole files does not leave."
+    r = csv.reader(io.StringIO(_text(path, what), newline=''), strict=True)
+    try:
+        head = next(r, None)
+        if not head or head == ['']: raise InputError(f"{path}: empty file, not {what}")
+        dup = next((c for i, c in enumerate(head) if c in head[:i]), None)
+        if dup is not None: raise InputError(f"{path}: line 1: column {dup!r} appears twice")
+        rows, lines = [], []
+        for row in r:
+            if row == []: continue
+            if len(row) != len(head): raise InputError(f"{path}: line {r.line_num}: {len(row)} fields, but the header names {len(head)}")
+            rows.append(row); lines.append(r.line_num)
+    except csv.Error as e: raise InputError(f"{path}: line {r.line_num}: malformed CSV ({e})") from None
+    require_columns(head, list(need), str(path))
+    df = pd.DataFrame(rows, columns=head, dtype=str) if rows else pd.DataFrame({c: pd.Series(dtype=str) for c in head})
+    df.attrs['lines'] = lines
+    return df
+
+# %% ../nbs/00a_tables.ipynb #e981a8f7
+def row_error(path, df, mask, col, why):
+    "An `InputError` naming the first row of `df` where `mask` holds, by its line in the file."
+    i = int(np.flatnonzero(np.asarray(mask))[0])
+    return InputError(f"{path}: line {df.attrs['lines'][i]}: column {col!r} holds {str(df[col].iloc[i])[:60]!r}, {why}")
+
+def as_numbers(df, path, cols, ints=(), nonneg=()):
+    "`df` with `cols` as float64 ('' is NaN) and `ints` as int64 (`nonneg` at least 0), or an `InputError` naming the file, line and column."
+    out = {}
+    for c in list(cols) + list(ints):
+        x = pd.to_numeric(df[c].where(df[c] != ''), errors='coerce')
+        if (x.isna() & (df[c] != '') & ~df[c].str.lower().isin(['nan'])).any(): raise row_error(path, df, x.isna() & (df[c] != ''), c, 'not a number')
+        if c in ints:
+            bad = x.isna() | ~(x.abs() < 2.0 ** 63) | (x % 1 != 0) | ((x < 0) if c in nonneg else False)
+            if bad.any(): raise row_error(path, df, bad, c, 'not an integer' + (' of at least 0' if c in nonneg else ''))
+            x = x.astype(np.int64)
+        out[c] = x
+    return df.assign(**out)
