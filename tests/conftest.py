@@ -18,6 +18,18 @@ def read_with_warnings(out):
     return df, [str(x.message) for x in w]
 
 
+def engine_outcomes(src, *engines):
+    "Per engine (a function of `src`): (('ok', findings) or ('err', its ValueError's message), the incomplete-step warnings it raised)."
+    out = []
+    for f in engines:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            try: r = ('ok', f(src))
+            except ValueError as e: r = ('err', str(e))
+        out.append((r, sorted(str(x.message) for x in w if 'incomplete step' in str(x.message))))
+    return out
+
+
 def run_cli(*args, cwd=None):
     "Run a console script; returns the CompletedProcess (text)."
     return subprocess.run(list(args), capture_output=True, text=True, cwd=cwd)

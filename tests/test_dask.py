@@ -6,6 +6,7 @@ import pyarrow as pa, pyarrow.parquet as pq
 from opscope.zoo import mnist_mlp, mnist_batches, moe, planted_attention, example_input, transformer
 from opscope.recorder import record, sweep, Recorder
 from opscope.tables import read_sketches, COUNT_STATS
+from conftest import engine_outcomes
 from opscope.miner import mine, INFER_EXPLOITS
 from opscope.scale import mine_duckdb, mine_dask, same_findings, ClusterError
 
@@ -90,15 +91,7 @@ def test_dask_refuses_rank_clash_and_bad_input(sketches, cluster, tmp_path):
 
 def _three(src, cluster):
     "((outcome, message or findings), incomplete-step warnings) of the three engines on `src`."
-    import warnings
-    out = []
-    for f in (mine, mine_duckdb, lambda x: mine_dask(x, cluster)):
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter('always')
-            try: r = ('ok', f(src))
-            except ValueError as e: r = ('err', str(e))
-        out.append((r, sorted(str(x.message) for x in w if 'incomplete step' in str(x.message))))
-    return out
+    return engine_outcomes(src, mine, mine_duckdb, lambda x: mine_dask(x, cluster))
 
 
 def test_dask_vets_as_the_other_engines(sketches, cluster, tmp_path):

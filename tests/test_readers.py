@@ -1,7 +1,8 @@
 "Readers that refuse what they cannot trust (issue 34): one key per row, a manifest per step, a schema version, bounded work per line, engines that agree on non-finite values — and a seeded fuzzer over every sketches reader."
-import os, random, resource, shutil, time, warnings
+import random, resource, shutil, time, warnings
 from pathlib import Path
 import numpy as np, pandas as pd, pytest, torch
+from conftest import engine_outcomes
 
 from opscope.tables import (SCHEMA, SCHEMA_VERSION, MANIFEST_STAT, COMMIT_SUFFIX, COUNT_STATS, InputError, read_sketches,
                             first_duplicate, dataset_files)
@@ -47,14 +48,7 @@ def _read(p):
 
 def _mine_both(p):
     "(outcome, warnings) of mine and mine_duckdb on `p`: ('ok', findings) or ('err', message)."
-    out = []
-    for f in (mine, mine_duckdb):
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter('always')
-            try: r = ('ok', f(p))
-            except InputError as e: r = ('err', str(e))
-        out.append((r, sorted(str(x.message) for x in w if 'incomplete step' in str(x.message))))
-    return out
+    return engine_outcomes(p, mine, mine_duckdb)
 
 
 def _agree(p):
