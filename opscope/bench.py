@@ -206,7 +206,7 @@ def _blocked_taps(inj, kernel:str=None)->int:
         if n.target is sketch_node and n.args[0] not in seen:
             like = torch.empty_strided(*_layout_of(n.args[0]))   # the tap's shape and strides as a float32 CPU tensor, like the bench models' taps (never written, so no pages touched)
             R, C = sketch_mod._dims(like)[:2]
-            seen[n.args[0]] = not sketch_mod._use_fused(like, R * C, kernel) and sketch_mod._blocked(like, R, R * C)   # `_raw`'s own choice, contiguity included
+            seen[n.args[0]] = R * C > sketch_mod.DEFER_MAX and not sketch_mod._use_fused(like, R * C, kernel) and sketch_mod._blocked(like, R, R * C)   # `_raw`'s own choice (small taps batched), contiguity included
     return sum(seen.values())
 
 # %% ../nbs/11_bench.ipynb #b015ench-s2

@@ -5,18 +5,21 @@
 # %% ../nbs/01c_inject.ipynb #d92c961b
 from __future__ import annotations
 import copy, functools, math, operator
+import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary   # tensors as keys by identity (a WeakKeyDictionary would compare them by value)
 from .tables import InputError
 from .sketch import (STATS, SCALARS, ATTN_STATS, GATE_STATS, sketch_node, sketch_groups, attn_sketch, gate_sketch,
-                            _finalize, _unpack, _packed, _channels)
+                            _finalize, _unpack, _packed, _channels, _eager, _finalize_flat, _packed_spans)
 from .sites import trace, matmul_sites, infer_sites, meta_shape, rebuild, INFER_KINDS, _arg   # `trace`: the entry point users import from here
 from .lower import decompose_attention, SDPA_RTOL, SDPA_ATOL, _roles, _site_dims, _prod
 
 # %% auto #0
-__all__ = ['refresh_static', 'inject_matmul_stats', 'compile_injected', 'same_outputs', 'gate', 'inject_infer_stats']
+__all__ = ['refresh_static', 'inject_matmul_stats', 'compile_injected', 'FlatPlan', 'flat_outputs', 'same_outputs', 'gate',
+           'inject_infer_stats']
 
 # %% ../nbs/01c_inject.ipynb #7a1f7fc2
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -59,9 +62,14 @@ def _flat_sketch(w, bins):
     return _packed(w, bins).float()
 
 # %% ../nbs/01c_inject.ipynb #7a1f7fc2-s5
+_SPLITS = WeakIdKeyDictionary()   # a cached weight-sketch buffer -> (its version when copied, the copy's `STATS` tuple)
+
 def _split_sketch(buf, C:int, bins:int):
-    "A cached packed weight sketch as the `STATS` tuple; a copy, so a later refresh never changes stats already returned."
-    return _unpack(buf.clone(), C, bins)
+    "A cached packed weight sketch as the `STATS` tuple of a copy, so a later refresh never changes stats already returned; eagerly the copy is made once per refresh (the buffer's version), not at every call (a decoder's ~200 weights, every step)."
+    if not _eager(buf): return _unpack(buf.clone(), C, bins)
+    hit = _SPLITS.get(buf)
+    if hit is None or hit[0] != (buf._version, C, bins): hit = _SPLITS[buf] = ((buf._version, C, bins), _unpack(buf.clone(), C, bins))
+    return hit[1]
 
 # %% ../nbs/01c_inject.ipynb #7a1f7fc2-s6
 def _resolve(gm, path): return functools.reduce(getattr, path.split('.'), gm)
@@ -309,6 +317,93 @@ def compile_injected(gm:fx.GraphModule, # from `inject_matmul_stats` (or a pass 
         return out if packed is None else _unpacked_outputs(out, *packed[1:])
     run.compiled, run.module = compiled, gm
     return run
+
+# %% ../nbs/01c_inject.ipynb #f1a7c0de-s1
+class FlatPlan:
+    "How a `flat_outputs` twin's sources become `(keys, lengths, values)`: every stat of the original's `stats` dict, in its order, as one flat tensor."
+    def __init__(self, keys, where, chans, bins):
+        self.keys, self.where, self.chans, self.bins, self._perm = tuple(keys), where, chans, bins, {}
+    def flatten(self, sources)->tuple:
+        "`(keys, lengths, flat)` from the twin's sources; the permutation is built once per layout of the sources."
+        fin, bufs, leaves = sources
+        pieces, sig, spans = fin if fin is not None else ([], None, lambda: [])
+        leaves = list(torch.atleast_1d(list(leaves))) if leaves else []
+        parts = [*pieces, *bufs, *(t.reshape(-1) for t in leaves)]
+        key = (sig, tuple(t.shape[0] for t in bufs), tuple(t.numel() for t in leaves))
+        if key not in self._perm:
+            if len(self._perm) >= 4: self._perm.pop(next(iter(self._perm)))
+            self._perm[key] = self._build(parts, len(pieces), len(bufs), spans())
+        perm, lengths = self._perm[key]
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        return self.keys, lengths, flat.index_select(0, perm).float()
+    def _build(self, parts, n_fin, n_buf, spans):
+        "The permutation from the concatenated sources to the keys' order, and each key's length."
+        at = np.concatenate([[0], np.cumsum([t.shape[0] for t in parts])])
+        span = []
+        for kind, i, j in self.where:
+            if kind == 'fin': span.append(spans[i][j])
+            elif kind == 'buf': span.append(_packed_spans(int(at[n_fin + i]), parts[n_fin + i].shape[0], self.chans[i], self.bins)[j])
+            else: span.append((int(at[n_fin + n_buf + i]), parts[n_fin + n_buf + i].shape[0]))
+        starts, lengths = (np.array(v, np.int64) for v in zip(*span)) if span else (np.zeros(0, np.int64),) * 2
+        perm = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
+        return torch.from_numpy(perm).to(parts[0].device if parts else 'cpu'), lengths
+
+def _finalize_flat_node(bins, chans, *items):
+    "The twin's finalize node: every tap's sketch as flat pieces (`sketch._finalize_flat`)."
+    return _finalize_flat(items, chans, bins)
+
+# %% ../nbs/01c_inject.ipynb #f1a7c0de-s2
+def _stat_outputs(gm, out):
+    "`(primary leaves or primary, keys, stat nodes)` of an injected graph's output node `out`."
+    cg = gm.graph._codegen
+    if isinstance(cg, fx.graph._PyTreeCodeGen) and cg.pytree_info is not None and cg.pytree_info.out_spec is not None:
+        prim_spec, stat_spec = cg.pytree_info.out_spec.children()
+        leaves = list(out.args[0])
+        return leaves[:prim_spec.num_leaves], list(stat_spec.context), leaves[prim_spec.num_leaves:]
+    primary, stats = out.args[0]
+    return primary, list(stats), list(stats.values())
+
+def flat_outputs(gm:fx.GraphModule, # from `inject_matmul_stats` / `inject_infer_stats` (or `recorder.inject_taps`); left untouched
+                )->fx.GraphModule:
+    "A twin of `gm` returning `(primary, sources)` instead of `(primary, stats)`, and `twin.flat_plan`, a `FlatPlan` whose `flatten(sources)` gives `(keys, lengths, values)`: the same statistics as one flat tensor, no tensor per statistic."
+    graph = copy.deepcopy(gm.graph)
+    out = next(n for n in reversed(graph.nodes) if n.op == 'output')
+    primary, keys, nodes = _stat_outputs(gm, out)
+    fin = next((n for n in graph.nodes if n.op == 'call_function' and n.target is _finalize_node), None)
+    chans = {}                                          # finalize item -> its channel-count node (the unpack node's)
+    if fin is not None:
+        for g in fin.users:
+            for u in g.users:
+                if u.target is _unpack_node: chans[g.args[1]] = u.args[1]
+    where, bufs, buf_c, leaves = [], {}, [], {}
+    for n in nodes:
+        u = _unpack_of(n)
+        if u is not None and u.target is _unpack_node and u.args[0].args[0] is fin: where.append(('fin', u.args[0].args[1], n.args[1]))
+        elif u is not None and u.target is _split_sketch:
+            if u.args[0] not in bufs: bufs[u.args[0]] = len(bufs); buf_c.append(u.args[1])
+            where.append(('buf', bufs[u.args[0]], n.args[1]))
+        else: where.append(('leaf', leaves.setdefault(n, len(leaves)), 0))
+    with graph.inserting_before(out):
+        ff = None if fin is None else graph.call_function(_finalize_flat_node, (fin.args[0], tuple(chans.get(i, 1) for i in range(len(fin.args) - 1)), *fin.args[1:]))
+        sources = (ff, tuple(bufs), tuple(leaves))
+    cg = graph._codegen
+    if isinstance(cg, fx.graph._PyTreeCodeGen) and cg.pytree_info is not None and cg.pytree_info.out_spec is not None:
+        prim_spec = cg.pytree_info.out_spec.children()[0]
+        spec = pytree.TreeSpec(tuple, None, [prim_spec, pytree.tree_structure((0, (0,) * len(bufs), (0,) * len(leaves)))])
+        cg.pytree_info = cg.pytree_info._replace(out_spec=spec)
+        out.args = (tuple(primary) + (ff, *bufs, *leaves),)
+    else: out.args = ((primary, sources),)
+    dead = (_finalize_node, _unpack_node, _split_sketch, operator.getitem)
+    for n in reversed(list(graph.nodes)):                # the stat views nobody reads now (only the sketches' own nodes)
+        if n.op == 'call_function' and n.target in dead and not n.users and n is not out: graph.erase_node(n)
+    graph.lint()
+    twin = rebuild(gm, graph)
+    for name, b in gm._buffers.items():          # buffers the graph never reads but the weight cache does (views of expert weights)
+        if name not in twin._buffers: twin.register_buffer(name, b, persistent=False)
+    if hasattr(twin, '_out_spec'): twin._out_spec = cg.pytree_info.out_spec
+    twin.flat_plan = FlatPlan(keys, where, [int(c) for c in buf_c], fin.args[0] if fin is not None else gm.meta.get('opscope_bins', 64))
+    _install_refresh(twin)
+    return twin
 
 # %% ../nbs/01c_inject.ipynb #692f085b
 def same_outputs(a, b, tol=None):

@@ -13,13 +13,14 @@ from .exploits import (REGISTRY, Exploit, Rule, register, rules, guard_dead, gua
                               evidence_dead, evidence_sparse, evidence_int8, evidence_lowrank, evidence_prepack, arg_dead, arg_rank)
 
 # %% auto #0
-__all__ = ['KEYS', 'FINDINGS', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO', 'OUTLIER_PERSIST',
-           'OUTLIER_TOP_RATIO', 'OUTLIER_TOP_P', 'OUTLIER_MIN_ROWS', 'OUTLIER_MIN_STEPS', 'SPIKY_KURTOSIS',
-           'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB', 'INT4_MIN_SQNR_DB', 'COHERENCE_MIN', 'CROSS_STATS',
-           'STATIONARY_RTOL', 'CROSS_PERMUTATIONS', 'COHERENCE_P', 'COHERENCE_VN_MAX', 'SINK_RATIO', 'SINK_MIN_SHARE',
-           'KV_KEYS90_MAX', 'WINDOW_MASS', 'WINDOW_KEEP_MAX', 'WINDOW_LIFT', 'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO',
-           'NONFINITE_MAX', 'STEP_STATS', 'INT8_MAX_CREST', 'EXPLOITS', 'INFER_EXPLOITS', 'MASK_VETO',
-           'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING', 'RANK_COLUMNS', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr',
+__all__ = ['KEYS', 'FINDINGS', 'TAIL_MIN_SAMPLES', 'FEATURES', 'SPARSE_DENSITY_MAX', 'DEAD_CHANNEL_DENSITY', 'OUTLIER_RATIO',
+           'OUTLIER_PERSIST', 'OUTLIER_TOP_RATIO', 'OUTLIER_TOP_P', 'OUTLIER_MIN_ROWS', 'OUTLIER_MIN_STEPS',
+           'SPIKY_KURTOSIS', 'TOKEN_ROWS90_MAX', 'DEEP_DUMP_RHO', 'INT8_MIN_SQNR_DB', 'INT4_MIN_SQNR_DB',
+           'SQNR_MARGIN_DB', 'RHO_MARGIN', 'COHERENCE_MIN', 'CROSS_STATS', 'STATIONARY_RTOL', 'CROSS_PERMUTATIONS',
+           'COHERENCE_P', 'COHERENCE_VN_MAX', 'SINK_RATIO', 'SINK_MIN_SHARE', 'KV_KEYS90_MAX', 'WINDOW_MASS',
+           'WINDOW_KEEP_MAX', 'WINDOW_LIFT', 'COLD_LOAD_RATIO', 'HOT_LOAD_RATIO', 'NONFINITE_MAX', 'STEP_STATS',
+           'INT8_MAX_CREST', 'EXPLOITS', 'INFER_EXPLOITS', 'MASK_VETO', 'LOWRANK_ERANK_SHARE', 'LOWRANK_MIN_SAVING',
+           'RANK_COLUMNS', 'tail_bins', 'tail_s4', 'step_sums', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr',
            'tap_features', 'derived_features', 'rule_sparse', 'rule_quant', 'rule_spiky', 'rule_tokens',
            'rule_coherence', 'rule_deep_dump', 'rule_dead_channels', 'rule_outlier_channels', 'step_ratios',
            'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary', 'cross_step', 'tap_stationary',
@@ -38,30 +39,75 @@ def _scalar_features(df):
     wide = s.pivot_table(index=KEYS + ['step'], columns='stat', values='value', aggfunc='first', observed=True)
     return wide.groupby(level=KEYS, observed=True).mean()
 
+# %% ../nbs/03_miner.ipynb #9c1aec79-t0
+TAIL_MIN_SAMPLES = 10   # a tail level the histogram's sample reaches with fewer values than this is read at its one-σ lower bound
+
 # %% ../nbs/03_miner.ipynb #9c1aec79-s1
-def _hist_features(df):
-    h = df[df.stat == 'hist']
-    if h.empty: return pd.DataFrame({'kurtosis_all': []}, index=pd.MultiIndex.from_arrays([[]] * len(KEYS), names=KEYS))   # keyed like the others: no tap loses its keys
-    bins = h.groupby(KEYS + ['step'], observed=True).idx.transform('max') + 1
-    c = (h.idx + 0.5) / bins * 2 - 1
-    w = h.value.clip(lower=0)
-    m = pd.DataFrame({'w': w, 'w2': w * c**2, 'w4': w * c**4}).groupby([h[k] for k in KEYS], observed=True).sum()
-    m = m.where(m.w2 > 0)                           # all mass in the centre (a zero or constant tensor): undefined
-    return pd.DataFrame({'kurtosis_all': (m.w4 / m.w) / (m.w2 / m.w) ** 2})
+def _fold(idx, bins):
+    "The magnitude bin j of signed histogram bin `idx` of `bins` over [-1, 1]: |x|/absmax from max(0, 2j − bins mod 2)/bins up."
+    return np.floor(np.abs(idx + 0.5 - bins / 2) + bins % 2 / 2)
+
+def tail_bins(sketches:pd.DataFrame, # tidy sketches
+             )->pd.DataFrame:
+    "Per (tap, step, magnitude bin j of |x|/absmax): `k` values of the histogram's sample in it, `l` channels whose absmax falls in it; the step's `bins`, `absmax`, `numel`."
+    G = KEYS + ['step']
+    h = sketches[sketches.stat == 'hist']
+    if h.empty: return pd.DataFrame(columns=G + ['j', 'k', 'l', 'bins', 'absmax', 'numel'])
+    bins = h.groupby(G, observed=True).idx.transform('max') + 1
+    k = h[G].assign(j=_fold(h.idx, bins), k=h.value.clip(lower=0)).groupby(G + ['j'], observed=True, as_index=False).k.sum()
+    s = sketches[sketches.stat.isin(['absmax', 'numel'])].pivot_table(index=G, columns='stat', values='value', aggfunc='first', observed=True)
+    s = s.reindex(columns=['absmax', 'numel']).join(bins.groupby([h[c] for c in G], observed=True).first().rename('bins'), how='inner').reset_index()
+    c = sketches.loc[sketches.stat == 'chan_absmax', G + ['value']].merge(s, on=G)
+    c = c.assign(j=np.minimum(np.floor(c.value / c.absmax * c.bins / 2 + c.bins % 2 / 2), (c.bins + 1) // 2 - 1)).dropna(subset=['j'])  # absmax 0: no level
+    l = c.groupby(G + ['j'], observed=True, as_index=False).size().rename(columns={'size': 'l'})
+    return k.merge(l, on=G + ['j'], how='outer').fillna({'k': 0, 'l': 0}).merge(s, on=G)
+
+def tail_s4(t:pd.DataFrame, # `tail_bins`' table (any engine's)
+           )->pd.Series:
+    "Per (tap, step): Σx⁴ from the histogram's sample — each level's count above it scaled by numel / sample, where the sample holds fewer than TAIL_MIN_SAMPLES values there its one-σ lower bound, never below the channels whose absmax reaches it — at bin centres."
+    G = KEYS + ['step']
+    t = t.astype({c: float for c in ('j', 'k', 'l', 'bins', 'absmax', 'numel')}).sort_values(G + ['j'], ascending=[True] * len(G) + [False], kind='stable')
+    g = t.groupby(G, observed=True, sort=False)
+    kge, lge, tot = g.k.cumsum(), g.l.cumsum(), g.k.transform('sum')
+    scale = t.numel / tot.where(tot > 0)                 # 1: every value read
+    sparse = (kge < TAIL_MIN_SAMPLES) & (scale > 1)
+    above = np.maximum(np.where(sparse, (kge - np.sqrt(kge)).clip(lower=0), kge) * scale, lge)   # values at or above each level
+    above = pd.Series(above, index=t.index)
+    n = (above - above.groupby([t[c] for c in G], observed=True, sort=False).shift(1).fillna(0)).clip(lower=0)   # in the level
+    centre = (t.j + 0.5 - t.bins % 2 / 2) * 2 / t.bins
+    return (n * (centre * t.absmax) ** 4).groupby([t[c] for c in G], observed=True).sum(min_count=1).rename('s4')
+
+# %% ../nbs/03_miner.ipynb #9c1aec79-t1
+def step_sums(sketches:pd.DataFrame, # tidy sketches
+             )->pd.DataFrame:
+    "Per (tap, step): the sums pooled features read — `vals` (numel), `energy` Σx², `nnz`, `peak2` Σ absmax² over non-zero values, `s4` (`tail_s4`; 0 without a histogram) and `hsteps` (1 with one)."
+    G = KEYS + ['step']
+    s = sketches[sketches.stat.isin(['numel', 'rms', 'density', 'absmax'])]
+    w = s.pivot_table(index=G, columns='stat', values='value', aggfunc='first', observed=True).reindex(columns=['numel', 'rms', 'density', 'absmax'])
+    out = pd.DataFrame({'vals': w.numel, 'energy': w.numel * w.rms ** 2, 'nnz': w.numel * w.density})
+    out['peak2'] = out.nnz * w.absmax ** 2
+    s4 = tail_s4(tail_bins(sketches)).reindex(out.index)
+    return out.assign(s4=s4.fillna(0), hsteps=s4.notna().astype(float))
+
+# %% ../nbs/03_miner.ipynb #9c1aec79-t2
+def _moment_features(df):
+    "Per tap: `step_sums` summed over its steps (NaN only where no step has a value)."
+    return step_sums(df).groupby(level=KEYS, observed=True).sum(min_count=1)   # a stat no step holds: NaN, as SQL's SUM
 
 # %% ../nbs/03_miner.ipynb #9c1aec79-s2
 def _row_features(df):
     r = df.loc[(df.stat == 'row_energy') & df.value.notna(), KEYS + ['step', 'value']].copy()   # NaN: not a row (padding, another expert's token)
     r['e2'] = r.value ** 2
+    pooled = r.assign(e4=r.e2 ** 2).groupby(KEYS, observed=True).agg(row_n=('e2', 'size'), row_e2=('e2', 'sum'), row_e4=('e4', 'sum'))
     g = r.groupby(KEYS + ['step'], observed=True).e2
     mean = g.mean()
-    per_step = pd.DataFrame({'cv2': g.var(ddof=0) / mean.where(mean > 0) ** 2, 'rows': g.size()})
+    per_step = pd.DataFrame({'rows': g.size()})
     r = r.sort_values(KEYS + ['step', 'e2'], ascending=[True] * (len(KEYS) + 1) + [False])
     g = r.groupby(KEYS + ['step'], observed=True).e2
     before = g.cumsum() - r.e2                      # energy of the rows ranked above each row
     r['needed'] = before < 0.9 * g.transform('sum')  # rows needed to reach 90 % of the energy
     per_step['rows90'] = r.groupby(KEYS + ['step'], observed=True).needed.mean().where(mean > 0)  # no energy: undefined
-    return per_step.groupby(level=KEYS, observed=True).mean()
+    return per_step.groupby(level=KEYS, observed=True).mean().join(pooled.astype(float))
 
 # %% ../nbs/03_miner.ipynb #9c1aec79-s3
 def _chan_features(df):
@@ -79,33 +125,37 @@ def crest_nz(absmax, rms, density):
 
 # %% ../nbs/03_miner.ipynb #fd8f3489-s1
 def est_sqnr_db(crest, bits:int):
-    "Estimated SQNR (dB) of symmetric per-tensor `bits`-bit quantization, uniform-noise model: 6.02·b + 4.77 − 20·log10(crest)."
-    return 6.02 * bits + 4.77 - 20 * np.log10(crest)
+    "Estimated SQNR (dB) of symmetric per-tensor `bits`-bit quantization to ±(2^(b−1) − 1) levels (127 at 8 bits, as the kernel rounds), uniform-noise model: 10·log10(12·(2^(b−1) − 1)²) − 20·log10(crest)."
+    return 10 * np.log10(12 * (2 ** (bits - 1) - 1) ** 2) - 20 * np.log10(crest)
 
 # %% ../nbs/03_miner.ipynb #fd8f3489-s2
 def crest_at_sqnr(db:float, bits:int)->float:
     "The crest factor at which `est_sqnr_db` falls to `db` (the inverse, used for guards)."
-    return 10 ** ((6.02 * bits + 4.77 - db) / 20)
+    return 10 ** ((10 * np.log10(12 * (2 ** (bits - 1) - 1) ** 2) - db) / 20)
 
 # %% ../nbs/03_miner.ipynb #fd8f3489-s3
 def tap_features(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`)
                 )->pd.DataFrame:
     "One row per tap (run_id, dist, site, role) with the features the rules read, pooled over steps."
-    f = pd.concat([_scalar_features(sketches), _hist_features(sketches), _row_features(sketches), _chan_features(sketches)], axis=1)
+    f = pd.concat([_scalar_features(sketches), _moment_features(sketches), _row_features(sketches), _chan_features(sketches)], axis=1)
     f.index.names = KEYS
     return derived_features(f, sketches.groupby(KEYS, observed=True).step.nunique())
 
 FEATURES = ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel',
-            'kurtosis_all', 'cv2', 'rows', 'rows90', 'outlier_ratio', 'channels')
+            'vals', 'energy', 'nnz', 'peak2', 's4', 'hsteps', 'row_n', 'row_e2', 'row_e4', 'rows', 'rows90', 'outlier_ratio', 'channels')
 
 # %% ../nbs/03_miner.ipynb #fd8f3489-s4
 def derived_features(f, steps):
-    "The features computed from the pooled reductions `f` (shared with the DuckDB engine, `scale.mine_duckdb`)."
+    "The features computed from the pooled reductions `f` (shared with the DuckDB engine, `scale.mine_duckdb`): each a ratio of sums over every value of every step."
     f = f.reindex(columns=list(dict.fromkeys(list(FEATURES) + list(f.columns)))).astype(float)  # a stat no row holds: NaN, no rule fires
-    f['kurtosis'] = f.kurtosis_all * f.density.where(f.density > 0)   # no non-zero values: no kurtosis of them
-    f['crest_nz'] = crest_nz(f.absmax, f.rms, f.density)
-    f['rho'] = f.cv2 * f.channels / (f.kurtosis_all - 1).clip(lower=1e-6)
     f['steps'] = steps
+    e = f.energy.where(f.energy > 0)                  # no energy (all zero): no crest, no kurtosis
+    s4 = f.s4.where(f.hsteps >= f.steps)                  # a step without a histogram: no fourth moment
+    f['crest_nz'] = np.sqrt(f.peak2 / e)              # per step absmax·√density / rms; pooled, Σ absmax² over non-zero values / Σx²
+    f['kurtosis_all'] = s4 * f.vals / e ** 2     # E[x⁴] / E[x²]², moments about 0
+    f['kurtosis'] = s4 * f.nnz.where(f.nnz > 0) / e ** 2   # the same over the non-zero values
+    f['cv2'] = (f.row_e4 * f.row_n / f.row_e2.where(f.row_e2 > 0) ** 2 - 1).clip(lower=0)   # of every row's squared energy
+    f['rho'] = f.cv2 * f.channels / (f.kurtosis_all - 1).clip(lower=1e-6)
     return f
 
 # %% ../nbs/03_miner.ipynb #bd89fbcb
@@ -122,6 +172,8 @@ TOKEN_ROWS90_MAX = 0.3
 DEEP_DUMP_RHO = 8.0
 INT8_MIN_SQNR_DB = 30.0
 INT4_MIN_SQNR_DB = 20.0
+SQNR_MARGIN_DB = 0.25     # an int8 / int4 claim clears its bar by more than the SQNR estimate's error measured on real and random-weight models (≤ 0.22 dB)
+RHO_MARGIN = 1.05         # a deep-dump claim clears DEEP_DUMP_RHO by more than ρ's error measured at the bar (≤ 1.6 %)
 COHERENCE_MIN = 0.5
 
 # %% ../nbs/03_miner.ipynb #3cd52adc
@@ -139,11 +191,11 @@ def rule_sparse(f):
 
 # %% ../nbs/03_miner.ipynb #4522f82c-s1
 def rule_quant(f):
-    "`int8` / `int4`: estimated symmetric per-tensor SQNR clears the bar at that width."
+    "`int8` / `int4`: estimated symmetric per-tensor SQNR clears the bar at that width by more than the estimate's error (SQNR_MARGIN_DB)."
     out = []
     for bits, bar, name in ((8, INT8_MIN_SQNR_DB, 'int8'), (4, INT4_MIN_SQNR_DB, 'int4')):
         sqnr = est_sqnr_db(f.crest_nz, bits)
-        s = f[sqnr >= bar]
+        s = f[sqnr >= bar + SQNR_MARGIN_DB]             # past the estimator's error, not only its value
         out.append(_finding(s, f'sqnr_int{bits}_db', sqnr[s.index],
                             name, [f'{name} per-tensor (est. SQNR {v:.0f} dB)' for v in sqnr[s.index]]))
     return pd.concat(out)
@@ -172,7 +224,7 @@ def rule_coherence(f):
 # %% ../nbs/03_miner.ipynb #4522f82c-s5
 def rule_deep_dump(f):
     "`deep-dump`: row energies vary far more than independent entries would; rank is not sketch-observable, so point to the probe."
-    s = f[f.rho >= DEEP_DUMP_RHO]
+    s = f[f.rho >= DEEP_DUMP_RHO * RHO_MARGIN]          # past the estimator's error at the bar
     return _finding(s, 'row_energy', s.rho, 'deep-dump',
                     [f'row energies vary {v:.0f}× more than independent entries would (low rank, row scales or tails: '
                      'rank is not sketch-observable) → dump this tap and probe it' for v in s.rho])

@@ -12,9 +12,9 @@ from .exploits import rules
 
 
 # %% auto #0
-__all__ = ['G', 'INFER_ROLES', 'SCALARS', 'finite_steps', 'scalar_steps', 'tap_steps', 'hist_steps', 'row_steps', 'chan_ratios',
-           'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'tap_matrix', 'valued_steps', 'tap_stationary',
-           'tap_coherence', 'infer_table', 'findings_from_tables']
+__all__ = ['G', 'INFER_ROLES', 'SCALARS', 'MOMENT_SUMS', 'finite_steps', 'scalar_steps', 'tap_steps', 'moment_steps', 'row_steps',
+           'chan_ratios', 'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'tap_matrix', 'valued_steps',
+           'tap_stationary', 'tap_coherence', 'infer_table', 'findings_from_tables']
 
 # %% ../nbs/03b_partials.ipynb #d0589b83
 G = _m.KEYS + ['step']          # one (tap, step) group
@@ -40,21 +40,19 @@ def tap_steps(d:pd.DataFrame)->pd.DataFrame:
     return _base(d)[G].drop_duplicates()
 
 # %% ../nbs/03b_partials.ipynb #d0589b83-s4
-def hist_steps(d:pd.DataFrame)->pd.DataFrame:
-    "Per (tap, step): the histogram's weight sums Σw, Σw·c², Σw·c⁴ (bin centres c on [-1, 1]) that `miner.tap_features`' kurtosis pools."
-    h = _base(d); h = h[h.stat == 'hist']
-    bins = h.groupby(G, observed=True).idx.transform('max') + 1
-    c = (h.idx + 0.5) / bins * 2 - 1
-    w = h.value.clip(lower=0)
-    return pd.DataFrame({'w': w, 'w2': w * c**2, 'w4': w * c**4}).groupby([h[k] for k in G], observed=True).sum().reset_index()
+MOMENT_SUMS = ('vals', 'energy', 'nnz', 'peak2', 's4', 'hsteps')   # `miner.step_sums`' columns, summed over steps
+
+def moment_steps(d:pd.DataFrame)->pd.DataFrame:
+    "Per matmul-style (tap, step): `miner.step_sums` — numel, Σx², non-zeros, Σ absmax² over them, Σx⁴ from the histogram and channel maxima (`miner.tail_s4`) — that `miner.tap_features` sums over steps."
+    return _m.step_sums(_base(d)).reset_index()
 
 # %% ../nbs/03b_partials.ipynb #d0589b83-s5
 def row_steps(d:pd.DataFrame)->pd.DataFrame:
-    "Per (tap, step): row-energy dispersion `cv2`, `rows` and `rows90` (share of rows holding 90% of the energy)."
+    "Per (tap, step): `rows`, `rows90` (share of rows holding 90% of the energy) and the sums of squared row energies and of their squares (`row_e2`, `row_e4`) that the pooled dispersion `miner.tap_features`' `cv2` reads."
     r = _base(d); r = r[(r.stat == 'row_energy') & r.value.notna()]   # NaN: not a row (padding, another expert's token)
     r = r[G].assign(e2=r.value ** 2)
     g = r.groupby(G, observed=True).e2
-    out = pd.DataFrame({'cv2': g.var(ddof=0) / g.mean() ** 2, 'rows': g.size().astype(float)})
+    out = pd.DataFrame({'rows': g.size().astype(float), 'row_e2': g.sum(), 'row_e4': (r.e2 ** 2).groupby([r[c] for c in G], observed=True).sum()})
     r = r.sort_values(G + ['e2'], ascending=[True] * len(G) + [False])
     g = r.groupby(G, observed=True).e2
     r['needed'] = (g.cumsum() - r.e2) < 0.9 * g.transform('sum')

@@ -20,14 +20,15 @@ from .sketch import STATS, attn_sketch, sketch_rows, pack, sketch_node, sketch_p
 from .sites import trace, INFER_KINDS, infer_sites, matmul_sites, SDPA_TARGETS, meta_shape
 from .lower import SDPA_RTOL, SDPA_ATOL
 from .inject import inject_matmul_stats, inject_infer_stats, compile_injected, gate, same_outputs
-from .sketch import sketch_kept, sketch_groups
+from .sketch import sketch_kept, sketch_groups, _defer_kept
 from .sites import walk_up
 from .lower import ROUTED_ROWS   # the masked sketches: key columns, routed expert rows
 from .shapes import coverage, coverage_warning, _cacheless
 
 # %% auto #0
-__all__ = ['LAYOUTS_KEPT', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'Recorder', 'masked_sketch', 'keys_sketch',
-           'routed_groups', 'gate_tolerance', 'eager_gate', 'Recorded', 'record', 'sweep']
+__all__ = ['LAYOUTS_KEPT', 'ROW_GROUP_ROWS', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'decode_flat', 'Recorder',
+           'masked_sketch', 'keys_sketch', 'routed_groups', 'gate_tolerance', 'eager_gate', 'Recorded', 'record',
+           'sweep']
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -79,20 +80,36 @@ def _rows_layout(keys:tuple, lengths:bytes)->tuple:
         'idx': np.arange(n, dtype=np.int64) - per_row(starts)}), STR_COLS)
     return n, starts[is_numel], key_numel[is_numel].astype(np.float64), cols
 
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _run_columns(n:int, run_id:str, backend:str, dist:str)->tuple:
+    "The values of the `run_id`, `backend` and `dist` columns of a step of `n` rows: the same at every step of a run, so built once (strings, as `_rows_layout`'s; arrays, not Series, so no step's frame registers a reference on them)."
+    const = lambda name, v: as_strings(pd.DataFrame({name: pd.Categorical.from_codes(np.zeros(n, np.int8), [v])}), [name])[name].array
+    return const('run_id', run_id), const('backend', backend), const('dist', dist)
+
 def decode_stats(stats:dict, # `"site/role/stat" -> tensor`, as an injected module returns it
                  run_id:str='run', step:int=0, backend:str=None, dist:str='')->pd.DataFrame:
     "Tidy rows (`SCHEMA`) for one step's `stats`, with a single device-to-host transfer."
     if not stats: raise InputError("no statistics to decode: the injected graph returned an empty stats dict")
     keys, tensors = tuple(stats), list(stats.values())
     lengths = np.fromiter((t.numel() for t in tensors), np.int64, len(tensors))
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    flat = torch.cat(torch.atleast_1d(tensors)).detach().float()   # one call flattens them all (a Python loop over ~10⁴ stats cost more than the graph's sketches of a decode step)
+    return decode_flat(keys, lengths, flat, run_id, step, backend, dist)
+
+def decode_flat(keys:tuple, # the stats' `"site/role/stat"` names
+                lengths:np.ndarray, # each stat's number of values (int64)
+                flat, # every stat's values, concatenated in `keys`' order (a tensor, as `inject.FlatPlan.flatten` gives them)
+                run_id:str='run', step:int=0, backend:str=None, dist:str='',
+                keep:np.ndarray=None, # the positions of `flat` to keep (with `keys` and `lengths` already those kept); None: all
+               )->pd.DataFrame:
+    "Tidy rows (`SCHEMA`) for one step's statistics given flat: one device-to-host transfer, the columns that do not change per step built once per layout."
+    if not keys: raise InputError("no statistics to decode: the injected graph returned none")
     backend = backend or flat.device.type
-    values = flat.cpu().numpy().astype(np.float64)            # the one transfer of the step
-    n, at, exact, cols = _rows_layout(keys, lengths.tobytes())
+    values = flat.detach().cpu().numpy().astype(np.float64)   # the one transfer of the step
+    if keep is not None: values = values[keep]
+    n, at, exact, cols = _rows_layout(tuple(keys), np.asarray(lengths, np.int64).tobytes())
     values[at] = exact                                        # numel: exact, not float32-rounded
-    const = lambda v: pd.Categorical.from_codes(np.zeros(n, np.int8), [v])
-    head = as_strings(pd.DataFrame({'run_id': const(str(run_id)), 'step': np.full(n, step, np.int64), 'backend': const(backend),
-                                    'dist': const(str(dist))}), STR_COLS)
+    run, where, dist = _run_columns(n, str(run_id), backend, str(dist))
+    head = pd.DataFrame({'run_id': run, 'step': np.full(n, step, np.int64), 'backend': where, 'dist': dist}, copy=False)
     return pd.concat([head, cols, pd.Series(values, name='value')], axis=1)
 
 # %% ../nbs/02_recorder.ipynb #346d5634
@@ -187,21 +204,42 @@ def _manifest_csv(df, header):
     return out.getvalue()
 
 # %% ../nbs/02_recorder.ipynb #346d5634-s2
+ROW_GROUP_ROWS = 2**17   # rows per Parquet row group of a part file, about: cut between taps, never inside one (a Dask partition is a few row groups)
+
+def _tap_groups(df, target=None):
+    "Row-group lengths for `df` cut only where its (run, step, tap) changes, each about `target` rows; `[len(df)]` when a tap's rows are not contiguous."
+    keys = [c for c in ('run_id', 'rank', 'step', 'dist', 'site', 'role') if c in df]
+    same = np.ones(len(df), bool)            # row i continues row i-1's tap
+    for c in keys: same[1:] &= ~df[c].ne(df[c].shift()).to_numpy(dtype=bool, na_value=True)[1:]   # (Arrow compares: no Python strings)
+    same[:1] = False
+    starts = np.flatnonzero(~same)          # each run of a tap's rows starts here (row 0 first)
+    if df.iloc[starts][keys].duplicated().any(): return [len(df)]     # a tap in two runs of rows: one row group, as before
+    cuts, last = [], 0
+    for s in starts[1:]:
+        if s - last >= (target or ROW_GROUP_ROWS): cuts.append(s); last = s
+    return np.diff([0, *cuts, len(df)]).tolist()
+
 def _write_step(df, path):
-    "One step's rows as one Parquet file (one row group), fsynced under a hidden name, then renamed into place."
+    "One step's rows as one Parquet file of row groups holding whole taps (`_tap_groups`), fsynced under a hidden name, then renamed into place."
     import pyarrow as pa, pyarrow.parquet as pq
-    with atomic_write(path) as tmp:
-        pq.write_table(pa.Table.from_pandas(as_strings(df, STR_COLS), preserve_index=False), tmp, row_group_size=max(len(df), 1))
+    t = pa.Table.from_pandas(as_strings(df, STR_COLS), preserve_index=False)
+    with atomic_write(path) as tmp, pq.ParquetWriter(tmp, t.schema) as w:
+        at = 0
+        for n in _tap_groups(df):
+            w.write_table(t.slice(at, n), row_group_size=max(n, 1)); at += n
 
 # %% ../nbs/02_recorder.ipynb #346d5634-s3
 def _combine_parts(parts, dest):
-    "Stream the parts into one Parquet file at `dest`, one row group per part: memory holds one step, never the run."
+    "Stream the parts into one Parquet file at `dest`, keeping each part's row groups (whole taps): memory holds one step, never the run."
     import pyarrow.parquet as pq
     files = part_files(parts)
     schema = pq.read_schema(files[0])
     with open(dest, 'wb') as f:
         with pq.ParquetWriter(f, schema) as w:
-            for p in files: w.write_table(pq.read_table(p).cast(schema))
+            for p in files:
+                pf = pq.ParquetFile(p)
+                for i in range(pf.num_row_groups):
+                    t = pf.read_row_group(i).cast(schema); w.write_table(t, row_group_size=max(len(t), 1))
         f.flush(); os.fsync(f.fileno())
 
 # %% ../nbs/02_recorder.ipynb #2badccdf
@@ -270,14 +308,15 @@ def keys_sketch(x:torch.Tensor, # an attention product's operand whose last dim 
                 queries:torch.Tensor=None, # optional (batch, queries), 0 at padded query rows (x's rows are then the queries)
                 bins:int=64, # histogram bins
                 rows:bool=False, # the keys are x's rows, not its columns (V)
-               )->torch.Tensor:
+                defer:bool=False, # in a graph: a small tap may be set aside and sketched at the end with its shape's others (`sketch._defer_kept`)
+               ):
     "The packed sketch of `x` over its real keys' columns (or, with `rows`, rows) only, and its real queries' rows given `queries`: padded keys and unwritten cache slots add nothing (`sketch_kept`)."
     B, S = keys.shape
     if not (x.dim() >= 3 and x.shape[0] == B and x.shape[-2 if rows else -1] == S): return sketch_packed(x, bins)   # not this mask's keys
     keep = keys.reshape(B, *([1] * (x.dim() - 3)), S, 1) if rows else keys.reshape(B, *([1] * (x.dim() - 2)), S)
     if queries is not None and x.shape[-2] == queries.shape[1]:
         keep = keep & (queries != 0).reshape(B, *([1] * (x.dim() - 3)), queries.shape[1], 1)
-    return pack(sketch_kept(x, keep, bins))
+    return _defer_kept(x, keep, bins) if defer else pack(sketch_kept(x, keep, bins))
 
 
 # %% ../nbs/02_recorder.ipynb #a5c1e0b1-s5
@@ -388,9 +427,11 @@ def _apply_mask(inj, mask=None, rows=True):
         if n.op != 'call_function': continue
         x = n.args[0] if n.args else None
         if n.target is attn_sketch and 'queries' not in n.kwargs: n.kwargs = {**n.kwargs, 'queries': node}
-        elif n.target is sketch_node and x.op != 'get_attr' and x.name in vals: n.target, n.args = keys_sketch, (x, keys, None, *n.args[1:], True)
+        elif n.target is sketch_node and x.op != 'get_attr' and x.name in vals: n.target, n.args, n.kwargs = keys_sketch, (x, keys, None, *n.args[1:], True), dict(defer=True)
         elif n.target is sketch_node and x.op != 'get_attr' and x.name in cols | both:
-            n.target, n.args = keys_sketch, (x, keys, node if rows and x.name in both else None, *n.args[1:])
+            n.target, n.args, n.kwargs = keys_sketch, (x, keys, node if rows and x.name in both else None, *n.args[1:]), dict(defer=True)
+        elif n.target is sketch_node and x.op != 'get_attr' and S != shape[1] and _token_rows(meta_shape(x), uses.get(x.name), B, S):   # rows are a static cache's slots (MLA's latent keys): unwritten ones and padding are not data
+            n.target, n.args, n.kwargs = keys_sketch, (x, keys, None, *n.args[1:], True), dict(defer=True)
         elif rows and n.target is sketch_node and x.op != 'get_attr' and _token_rows(meta_shape(x), uses.get(x.name), *shape):
             n.target, n.args = masked_sketch, (x, node, *n.args[1:])
         elif rows and n.target is sketch_groups and ROUTED_ROWS in n.args[1].meta:
@@ -455,13 +496,16 @@ def eager_gate(reference, # () -> the eager model's output on the step's inputs
 
 # %% ../nbs/02_recorder.ipynb #d7e3a15c
 class Recorded:
-    "What `record` wrote to a sink, without the rows: counts of rows, steps and sites, and `read()` to load them."
-    def __init__(self, path=None): self.path, self.rows, self.steps, self.sites, self.run_ids = path, 0, 0, set(), set()
-    def add(self, df:pd.DataFrame):
+    "What `record` wrote to a sink, without the rows: counts of rows, steps and sites, each recorded step's wall time where the recorder timed it (`seconds`), and `read()` to load them."
+    def __init__(self, path=None): self.path, self.rows, self.steps, self.sites, self.run_ids, self.seconds = path, 0, 0, set(), set(), []
+    def add(self, df:pd.DataFrame,
+            sites=None, run_ids=None, # the step's sites and runs when the caller knows them (a scan of ~10⁶ names each step otherwise)
+            seconds:float=None): # what recording the step took, when the caller timed it (`seconds` lists them)
         "Count one step's rows."
         self.rows += len(df); self.steps += 1
-        self.sites.update(df.site.cat.categories if isinstance(df.site.dtype, pd.CategoricalDtype) else df.site.unique())
-        self.run_ids.update(map(str, df.run_id.unique()))
+        if seconds is not None: self.seconds.append(seconds)
+        self.sites.update(sites if sites is not None else df.site.cat.categories if isinstance(df.site.dtype, pd.CategoricalDtype) else df.site.unique())
+        self.run_ids.update(map(str, run_ids if run_ids is not None else df.run_id.unique()))
     def __len__(self): return self.rows
     def read(self)->pd.DataFrame:
         "The rows, read back from the sink."

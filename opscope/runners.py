@@ -4,7 +4,7 @@
 
 # %% ../nbs/02b_runners.ipynb #dda7d0cc
 from __future__ import annotations
-import contextlib, importlib.util, inspect, json, re, sys, warnings, weakref
+import contextlib, functools, importlib.util, inspect, json, re, sys, time, warnings, weakref
 from itertools import islice
 from collections import OrderedDict
 from pathlib import Path
@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 from .sketch import SCALARS, VECTORS, ATTN_STATS, GATE_STATS
 from .sites import trace
-from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, decode_stats, eager_gate, gate_tolerance, record, inject_taps
+from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, decode_stats, decode_flat, eager_gate, gate_tolerance, record, inject_taps
+from .inject import flat_outputs
 from .shapes import coverage, coverage_warning, tapped_share
 from .probe import safetensors_header, json_depth, MAX_JSON_DEPTH
 from .tables import InputError, ModelError
@@ -143,6 +144,16 @@ def _kept(stats, drop):
     "`stats` without the vector stats in `drop`."
     return {k: v for k, v in stats.items() if k.rsplit('/', 1)[1] not in drop} if drop else stats
 
+@functools.lru_cache(maxsize=4)
+def _flat_kept(keys:tuple, lengths:bytes, drop:frozenset)->tuple:
+    "For a flat step (`inject.FlatPlan`): the keys as the decoder names its sites (`_unwrapped`) without the stats in `drop` (`_kept`), their lengths, the value positions kept (None: all) and the sites; once per layout."
+    lengths = np.frombuffer(lengths, np.int64)
+    names = tuple(k.removeprefix('model.') for k in keys)
+    if not drop: return names, lengths, None, frozenset(k.rsplit('/', 2)[0] for k in names)
+    ok = np.array([k.rsplit('/', 1)[1] not in drop for k in names], bool)
+    kept = tuple(k for k, o in zip(names, ok) if o)
+    return kept, lengths[ok], np.flatnonzero(np.repeat(ok, lengths)), frozenset(k.rsplit('/', 2)[0] for k in kept)
+
 _CHECKED = weakref.WeakSet()   # models whose recorded tokens have matched `model.generate` once
 _GRAPHS = weakref.WeakKeyDictionary()   # model -> {call shape: injected step graph}, reused by its later runs
 GRAPHS_KEPT = 4   # step graphs kept per model (a run needs two: its prefill's and its decode steps')
@@ -224,19 +235,23 @@ def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval m
             n = ids.shape[1]
             args = (ids, mask, pos[:, start:start + n], torch.arange(start, start + n, device=dev), keys, values)
             df = stats = None
+            t0 = time.perf_counter()
             with torch.no_grad():
                 if step % every:
                     logits = run(*args)        # not recorded: the model itself writes the cache
                 else:
                     g, first = _graph(model, run, args, taps, bins)   # the prefill's, then the decode steps'
                     logits, stats = _gated(run, g, args, step) if first or gate_every else g(*args)
-                    df = decode_stats(_unwrapped(_kept(stats, drop)), run_id=run_id, step=step, backend=dev.type, dist=dist)
+                    names, lengths, flat = g.flat_plan.flatten(stats)           # one flat tensor (`inject.flat_outputs`)
+                    names, lengths, kept, sites = _flat_kept(names, lengths.tobytes(), frozenset(drop))
+                    df = decode_flat(names, lengths, flat, run_id=run_id, step=step, backend=dev.type, dist=dist, keep=kept)
             ids = _next_token(logits, eos)
+            secs = time.perf_counter() - t0
             if ref is not None: ids = _follow(logits, ids, ref[:, step:step + 1], step, type(model).__name__)
             if df is not None:             # written only once its token is known to be the model's
                 if rec is not None: rec.write(df)
                 if keep: frames.append(df)
-                else: summary.add(df)
+                else: summary.add(df, sites, (run_id,), secs)   # the step's call, its sketches and rows, its token; not the sink's write
                 del df, stats              # nothing of this step outlives it
             tokens.append(ids); start += n
     finally:
@@ -246,7 +261,7 @@ def record_generate(model:nn.Module, # a Hugging Face `...ForCausalLM` in eval m
 
 # %% ../nbs/02b_runners.ipynb #d1e617f0
 def _step_graph(run, args, taps, bins):
-    "The injected graph for one step shape (traced with `torch.export`: it keeps the cache's in-place writes); warns on untapped GEMM FLOPs."
+    "The injected graph for one step shape (traced with `torch.export`: it keeps the cache's in-place writes), returning its stats flat (`inject.flat_outputs`); warns on untapped GEMM FLOPs."
     *head, keys, values = args
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter('ignore')      # export's notes on specialized dims and lifted constants
@@ -256,7 +271,7 @@ def _step_graph(run, args, taps, bins):
         inj = inject_taps(gm, taps, bins, rows=_padded(args), cache_weights='version')   # the weights are fixed while it runs: no value read per step
     for w in ([msg] if msg else []) + [str(w.message) for w in said]:
         warnings.warn(re.sub(r'(?<![\w.])model\.(?=\w)', '', w), stacklevel=3)   # the sites as the rows name them (`_unwrapped`)
-    return inj
+    return flat_outputs(inj)     # its stats as one flat tensor: a decode step returns ~10⁴ of them
 
 
 # %% ../nbs/02b_runners.ipynb #d1e617f0-s1

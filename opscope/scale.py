@@ -150,20 +150,20 @@ def _qi(c): return f'"{c}"'
 
 # %% ../nbs/03a_scale.ipynb #d1a07caf
 def _vet_sql(con, rank, name):
-    "`tables.vet_steps` on the facts `tables.vet_rows` gathers, gathered by DuckDB over view `src` in one pass (per step: rows, manifests, distinct keys, bad counts); the steps to drop."
+    "`tables.vet_steps` on the facts `tables.vet_rows` gathers, gathered by DuckDB over view `src` (per step: rows, manifests, bad counts; then whether any key repeats); the steps to drop."
     g = 'run_id, step' + (', "rank"' if rank else '')
     keys = ', '.join(map(_qi, KEY_COLS + (['rank'] if rank else [])))
     data, counts = f"stat <> {_Q(MANIFEST_STAT)}", f"stat IN ({', '.join(map(_Q, COUNT_STATS))}) AND NOT coalesce(isfinite(value) AND value >= 0, false)"
     s = con.execute(f"""SELECT {g}, count(*) FILTER (WHERE {data}) "rows", count(*) FILTER (WHERE NOT {data}) manifests,
-        max(value) FILTER (WHERE NOT {data}) announced, max(idx) FILTER (WHERE NOT {data}) version,
-        count(DISTINCT hash(site, role, stat, idx)) FILTER (WHERE {data}) distinct_keys, count(*) FILTER (WHERE {counts}) bad
+        max(value) FILTER (WHERE NOT {data}) announced, max(idx) FILTER (WHERE NOT {data}) version, count(*) FILTER (WHERE {counts}) bad
         FROM src GROUP BY ALL""").df()
     dup = bad = None
-    if (s.distinct_keys < s.rows).any():     # (a hash collision is checked exactly: no duplicate then)
+    twice = con.execute(f"""SELECT EXISTS (SELECT 1 FROM src WHERE {data} GROUP BY hash({g}, site, role, stat, idx) HAVING count(*) > 1)""").fetchall()[0][0]   # one integer key a row: a group-by that spills, not count(DISTINCT)
+    if twice:     # (a hash collision is checked exactly: no duplicate then)
         dup = con.execute(f"SELECT {keys} FROM src WHERE {data} GROUP BY ALL HAVING count(*) > 1 ORDER BY ALL LIMIT 1").fetchone()
     if s.bad.any():
         bad = con.execute(f"SELECT {keys}, coalesce(value, 'NaN'::DOUBLE) FROM src WHERE {counts} ORDER BY {keys} LIMIT 1").fetchone()
-    s = s.drop(columns=['distinct_keys', 'bad']).astype({'version': float, 'announced': float})
+    s = s.drop(columns=['bad']).astype({'version': float, 'announced': float})
     return vet_steps([(s, dup and tuple(dup), bad and tuple(bad))], name)
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s3
@@ -196,24 +196,35 @@ def _features_sql(con):
         SELECT {K}, step, stat, any_value(value) v FROM base
         WHERE stat IN ('density', 'absmax', 'rms', 'mean', 'std', 'adj_cos', 'nearzero', 'nan_count', 'inf_count', 'numel') GROUP BY ALL) GROUP BY ALL""")
     scal = scal.pivot(index=_m.KEYS, columns='stat', values='value')
-    hist = _q(con, f"""WITH h AS (SELECT * FROM base WHERE stat = 'hist'),
+    sums = _q(con, f"""WITH s AS (SELECT {K}, step, {', '.join(f"max(CASE WHEN stat = {_Q(s)} THEN nn(value) END) {s}" for s in ('numel', 'rms', 'density', 'absmax'))}
+                                  FROM base WHERE stat IN ('numel', 'rms', 'density', 'absmax') GROUP BY ALL)
+        SELECT {K}, sum(numel) vals, sum(numel * rms^2) energy, sum(numel * density) nnz, sum(numel * density * absmax^2) peak2 FROM s GROUP BY ALL""", _m.KEYS)
+    tail = _q(con, f"""WITH h AS (SELECT {K}, step, idx, greatest(value, 0) w FROM base WHERE stat = 'hist'),
         b AS (SELECT {K}, step, max(idx) + 1 bins FROM h GROUP BY ALL),
-        x AS (SELECT {K}, greatest(value, 0) w, (idx + 0.5) / bins * 2 - 1 c FROM h JOIN b USING ({K}, step))
-        SELECT {K}, (sum(w * c^4) / sum(w)) / (sum(w * c^2) / sum(w))^2 kurtosis_all FROM x GROUP BY ALL""", _m.KEYS)
+        s AS (SELECT {K}, step, max(CASE WHEN stat = 'absmax' THEN nn(value) END) absmax, max(CASE WHEN stat = 'numel' THEN nn(value) END) numel
+              FROM base WHERE stat IN ('absmax', 'numel') GROUP BY ALL),
+        k AS (SELECT {K}, step, floor(abs(idx + 0.5 - bins / 2) + bins % 2 / 2) j, sum(w) k FROM h JOIN b USING ({K}, step) GROUP BY ALL),
+        l AS (SELECT {K}, step, j, count(*) l FROM (
+                SELECT {K}, step, least(floor(c.value / s.absmax * bins / 2 + bins % 2 / 2), (bins + 1) // 2 - 1) j
+                FROM base c JOIN s USING ({K}, step) JOIN b USING ({K}, step) WHERE c.stat = 'chan_absmax' AND nn(c.value) IS NOT NULL AND s.absmax > 0) GROUP BY ALL)
+        SELECT {K}, step, j, coalesce(k.k, 0) k, coalesce(l.l, 0) l, bins, absmax, numel
+        FROM k FULL JOIN l USING ({K}, step, j) JOIN b USING ({K}, step) JOIN s USING ({K}, step)""")
+    s4 = _m.tail_s4(tail)
+    s4 = s4.groupby(level=_m.KEYS).agg(s4='sum', hsteps='count')
     rows = _q(con, f"""WITH r AS (SELECT {K}, step, value^2 e2 FROM base WHERE stat = 'row_energy' AND NOT isnan(value)),   -- NaN (or NULL): not a row
         w AS (SELECT *, sum(e2) OVER (PARTITION BY {K}, step ORDER BY e2 DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) before,
                         sum(e2) OVER (PARTITION BY {K}, step) total FROM r),
-        s AS (SELECT {K}, step, var_pop(e2) / avg(e2)^2 cv2, count(*) n,
+        s AS (SELECT {K}, step, count(*) n, sum(e2) e2, sum(e2 * e2) e4,
                      CASE WHEN max(total) > 0 THEN avg(CASE WHEN e2 IS NOT NULL AND coalesce(before, 0) < 0.9 * total THEN 1.0 ELSE 0.0 END) END rows90
               FROM w GROUP BY ALL)
-        SELECT {K}, avg(nn(cv2)) cv2, avg(n) "rows", avg(nn(rows90)) rows90 FROM s GROUP BY ALL""", _m.KEYS)
+        SELECT {K}, avg(n) "rows", avg(nn(rows90)) rows90, sum(n) row_n, sum(e2) row_e2, sum(e4) row_e4 FROM s GROUP BY ALL""", _m.KEYS)
     chan = _q(con, f"""WITH c AS (SELECT {K}, step, value FROM base WHERE stat = 'chan_absmax'),
         m AS (SELECT {K}, step, median(value) med, count(*) n FROM c GROUP BY ALL),
         p AS (SELECT {K}, step, max(c.value / CASE WHEN m.med > 0 THEN m.med END) ratio, any_value(m.n) n
               FROM c JOIN m USING ({K}, step) GROUP BY ALL)
         SELECT {K}, avg(nn(ratio)) outlier_ratio, max(n) channels FROM p GROUP BY ALL""", _m.KEYS)
     steps = _q(con, f"SELECT {K}, count(DISTINCT step) steps FROM base GROUP BY ALL", _m.KEYS).steps
-    return _m.derived_features(pd.concat([scal, hist, rows, chan], axis=1), steps)
+    return _m.derived_features(pd.concat([scal, sums, s4, rows, chan], axis=1), steps)
 
 # %% ../nbs/03a_scale.ipynb #7c9e71e8-s1
 def _channel_findings_sql(con):
@@ -240,8 +251,10 @@ def _channel_findings_sql(con):
     return dict(dead=dead, share=share, infer=_p.infer_table(sums, head))
 
 # %% ../nbs/03a_scale.ipynb #7656abe8
-def _cross_sql(con):
-    "`miner.cross_step`'s inputs, reduced by DuckDB: stationary flags, usual-step counts, the (tap, channel) × step chan_absmax matrix."
+CROSS_ROWS = 2**21   # chan_absmax values of a batch of whole taps that `_cross_sql` hands to pandas at once: its memory, whatever the run's length
+
+def _cross_sql(con, seed=0):
+    "`miner.cross_table`, DuckDB reducing its inputs (stationary flags, usual-step counts) and handing the (tap, channel) × step chan_absmax series over a batch of whole taps at a time (`_cross_batch`)."
     con.execute(f"""CREATE TEMP TABLE usual AS
         WITH n AS (SELECT {K}, step, value FROM base WHERE stat = 'numel'),
         cnt AS (SELECT {K}, value, count(*) k FROM n WHERE value IS NOT NULL GROUP BY ALL),
@@ -253,16 +266,36 @@ def _cross_sql(con):
         FROM (SELECT {K}, stat, idx, min(value) mn, max(value) mx, count(value) valued, count(*) compared FROM base JOIN usual USING ({K}, step)
               WHERE stat IN ({stats}) GROUP BY ALL) GROUP BY ALL""", _m.KEYS).stationary
     steps = _q(con, f"SELECT {K}, count(*) steps FROM usual GROUP BY ALL", _m.KEYS).steps
-    con.execute(f"""CREATE TEMP TABLE ca AS SELECT {K}, idx, step, value FROM base JOIN usual USING ({K}, step) WHERE stat = 'chan_absmax'""")
-    ci = _q(con, f"SELECT {K}, idx FROM (SELECT DISTINCT {K}, idx FROM ca) ORDER BY {K}, idx")
-    con.execute(f"CREATE TEMP TABLE ci AS SELECT {K}, idx, row_number() OVER (ORDER BY {K}, idx) - 1 r FROM (SELECT DISTINCT {K}, idx FROM ca)")
-    a = con.execute(f"""SELECT r, row_number() OVER (PARTITION BY r ORDER BY step) - 1 t, value FROM ca JOIN ci USING ({K}, idx)""").fetchnumpy()
-    r, t = np.asarray(a['r'], np.int64), np.asarray(a['t'], np.int64)
-    V = np.full((len(ci), int(t.max()) + 1 if len(t) else 0), np.nan)
-    V[r, t] = np.ma.filled(np.ma.asarray(a['value'], float), np.nan)
-    w = pd.DataFrame(V, index=pd.MultiIndex.from_frame(ci)).sort_index()
-    w = w.loc[w.notna().any(axis=1), w.notna().any(axis=0)]            # as pivot_table drops all-NaN rows / columns
-    return stationary, steps, w
+    con.execute(f"CREATE TEMP TABLE taps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap FROM (SELECT DISTINCT {K} FROM usual)")
+    con.execute(f"""CREATE TEMP TABLE ca AS SELECT tap, idx, row_number() OVER (PARTITION BY tap, idx ORDER BY step) - 1 t, value
+        FROM base JOIN usual USING ({K}, step) JOIN taps USING ({K}) WHERE stat = 'chan_absmax'""")     # t: a channel's t-th usual step
+    cols = [t for (t,) in con.execute("SELECT DISTINCT t FROM ca WHERE value IS NOT NULL ORDER BY t").fetchall()]   # as pivot_table drops all-NaN columns
+    keys = _q(con, f"SELECT tap, {K} FROM taps ORDER BY tap", 'tap')
+    n = con.execute("SELECT tap, count(*) FROM ca GROUP BY tap ORDER BY tap").fetchnumpy()
+    first = np.asarray(n['tap'])[np.flatnonzero(np.diff(np.asarray(n['count_star()']).cumsum() // CROSS_ROWS, prepend=-1))]   # a batch's first tap
+    bounds = list(zip(first, [*first[1:] - 1, len(keys)]))
+    rows = [_cross_batch(con.execute(f"SELECT tap, idx, t, value FROM ca WHERE tap BETWEEN {a} AND {b}").fetchnumpy(), keys, cols, stationary, steps, seed)
+            for a, b in bounds]
+    rows = [r for r in rows if len(r)]
+    rest = stationary[~stationary.index.isin(pd.concat(rows).index)] if rows else stationary      # taps without chan_absmax rows
+    none = pd.DataFrame(index=pd.MultiIndex.from_arrays([[]] * (len(_m.KEYS) + 1), names=_m.KEYS + ['idx']), dtype=float)
+    return pd.concat(rows + [_m.cross_table(rest, steps.reindex(rest.index), none, seed)]).reindex(stationary.index)
+
+def _cross_batch(a:dict, # tap, idx, t, value arrays of some whole taps' usual chan_absmax rows
+                 keys:pd.DataFrame, cols:list, stationary:pd.Series, steps:pd.Series, seed:int):
+    "`miner.cross_table`'s rows of the taps in `a`: their (tap, channel) × step matrix (`miner.step_matrix`), widened to the run's step columns `cols`."
+    tap, idx, t = (np.asarray(a[c], np.int64) for c in ('tap', 'idx', 't'))
+    v = np.ma.filled(np.ma.asarray(a['value'], float), np.nan)
+    pairs, row = np.unique(np.stack([tap, idx]), axis=1, return_inverse=True)
+    V = np.full((pairs.shape[1], len(cols)), np.nan)
+    at = np.searchsorted(cols, t); ok = (at < len(cols)) & (np.asarray(cols)[np.minimum(at, len(cols) - 1)] == t)   # a column all NaN in the run: not one
+    V[row.reshape(-1)[ok], at[ok]] = v[ok]
+    index = pd.MultiIndex.from_frame(keys.loc[pairs[0]].reset_index(drop=True).assign(idx=pairs[1]))
+    w = pd.DataFrame(V, index=index, columns=cols).sort_index()
+    w = w[w.notna().any(axis=1)]
+    if not len(w): return w.iloc[:0, :0]
+    s = stationary[stationary.index.isin(w.index.droplevel('idx'))]
+    return _m.cross_table(s, steps.reindex(s.index), w, seed)
 
 # %% ../nbs/03a_scale.ipynb #d14573e3
 def mine_duckdb(sketches, # a Parquet dataset directory, a .parquet / .csv sketches file, or a DataFrame
@@ -326,11 +359,38 @@ def _dask():
         raise ImportError(f"the Dask engine needs dask[dataframe] and distributed: pip install 'opscope[dask]' ({e})") from None
     return dask, dd, distributed
 
-PART_BYTES = 2**20    # Parquet bytes on disk per partition of a local dataset (~18× that decoded, measured below)
+PART_ROWS = 2**17    # rows per partition of a local dataset, about: whole row groups (whole taps, `recorder.ROW_GROUP_ROWS`), whatever a step holds
 
 # %% ../nbs/03a_scale.ipynb #4fe7325b-s1
+def _row_groups(files, # the part files of a local dataset
+                workers:int, # at least 2 × workers partitions, where the row groups allow
+               )->list:
+    "The row groups of `files`, neighbours grouped into partitions of about `PART_ROWS` rows: one `[(file, [row group, ...]), ...]` per partition."
+    import pyarrow.parquet as pq
+    units = [(str(f), i, m.row_group(i).num_rows) for f in files for m in [pq.read_metadata(f)] for i in range(m.num_row_groups)]
+    rows = np.array([u[2] for u in units], dtype=float)
+    n = min(len(units), max(2 * workers, int(-(-rows.sum() // PART_ROWS))))
+    part = np.minimum((np.cumsum(rows) - rows) * n // max(rows.sum(), 1), n - 1).astype(int)   # contiguous, balanced by rows; never an empty group
+    groups = {}
+    for (f, i, _), k in zip(units, part): groups.setdefault(k, {}).setdefault(f, []).append(i)
+    return [list(g.items()) for g in groups.values()]
+
+def _read_groups(groups, # `[(part file, [row group, ...]), ...]` of one hive-partitioned dataset
+                 base, # the dataset's directory
+                 types:dict, # partition key -> Arrow type, e.g. {'run_id': 'string', 'rank': 'int64'}
+                )->pd.DataFrame:
+    "The rows of some row groups of a dataset's part files, its partition keys (from the folder names) as columns: one Dask partition."
+    import pyarrow as pa, pyarrow.parquet as pq
+    from urllib.parse import unquote
+    def table(f, rgs):
+        t = pq.ParquetFile(f).read_row_groups(rgs)
+        keys = dict(s.split('=', 1) for s in Path(f).relative_to(base).parts[:-1] if '=' in s)
+        for k, ty in types.items(): t = t.append_column(k, pa.repeat(pa.scalar(unquote(keys[k])).cast(ty), len(t)))
+        return t
+    return pa.concat_tables([table(f, rgs) for f, rgs in groups], promote_options='permissive').to_pandas()
+
 def _read_dask(dd, src, storage_options=None, workers=1):
-    "Sketches as a dask DataFrame with typed columns (keys as strings, a missing name as ''), partitions of whole files."
+    "Sketches as a dask DataFrame with typed columns (keys as strings, a missing name as ''); a local dataset in partitions of whole row groups."
     if isinstance(src, pd.DataFrame): d, name = dd.from_pandas(src, npartitions=max(1, workers), sort=False), 'DataFrame'
     else:
         name = s = str(src); local = '://' not in s
@@ -341,13 +401,12 @@ def _read_dask(dd, src, storage_options=None, workers=1):
             if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
             if p.suffix.lower() == '.csv': return _read_dask(dd, read_sketches(p), workers=workers)
         try:
-            if local and p.is_dir():     # neighbouring part files (whole steps) grouped into partitions of ~PART_BYTES
-                n = min(len(files), max(2 * workers, -(-sum(f.stat().st_size for f in files) // PART_BYTES)))   # never an empty group
+            if local and p.is_dir():     # neighbouring row groups (whole taps, as the recorder writes them) grouped into partitions of ~PART_ROWS rows
                 keys = [s.split('=', 1)[0] for s in files[0].relative_to(p).parts[:-1] if '=' in s]
-                groups = [[str(f) for f in g] for g in np.array_split(np.array(files, dtype=object), n)]
                 types = {k: PARTITION_TYPES.get(k, 'string') for k in keys}
-                meta = _p.read_parts(groups[0][:1], str(p), types).iloc[:0]   # read here: inferred, it would be a task, and wait on a paused cluster
-                d = dd.from_map(_p.read_parts, groups, base=str(p), types=types, meta=meta)
+                groups = _row_groups(files, workers)
+                meta = _read_groups([(groups[0][0][0], [])], str(p), types)   # read here (no rows): inferred, it would be a task, and wait on a paused cluster
+                d = dd.from_map(_read_groups, groups, base=str(p), types=types, meta=meta)
             else: d = dd.read_parquet(s, storage_options=storage_options)
         except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
     require_columns(d.columns, MINE_COLS, name)
@@ -364,27 +423,51 @@ def _strkeys(x):
     return as_strings(x, _m.KEYS)
 
 # %% ../nbs/03a_scale.ipynb #4fe7325b-s3
-def _whole_steps(sk, run):
-    "`sk` with every (run_id, step) inside one partition (shuffled if not); refuses steps from two ranks."
-    steps = run(sk.map_partitions(lambda d: d[[c for c in ['run_id', 'step', 'rank'] if c in d]].drop_duplicates()))[0]
-    if 'rank' in steps:
-        r = steps.groupby(['run_id', 'step'])['rank'].nunique()
+def _tap_facts(d:pd.DataFrame)->tuple:
+    "A partition's `tables.vet_rows` and its (tap, step)s, with `rank` where present."
+    return vet_rows(d), d[[c for c in _p.G + ['rank'] if c in d]].drop_duplicates()
+
+def _merged_vets(parts:list)->list:
+    "`vet_rows` of partitions that may each hold part of a step (whole taps), as `vet_steps` takes them: per step, rows and manifests summed."
+    s = pd.concat([p[0] for p in parts], ignore_index=True)
+    g = [c for c in ['run_id', 'step', 'rank'] if c in s]
+    s = s.groupby(g, sort=False).agg(rows=('rows', 'sum'), manifests=('manifests', 'sum'), announced=('announced', 'max'), version=('version', 'max'))
+    first = lambda k: min((p[k] for p in parts if p[k] is not None), default=None)
+    return [(s.reset_index(), first(1), first(2))]
+
+def _whole_taps(sk, run, delayed):
+    "`sk` with every (tap, step) inside one partition (shuffled on them if not), the number of steps and the partitions' `vet_rows`; refuses steps from two ranks."
+    facts = run(*[delayed(_tap_facts)(p) for p in sk.to_delayed()])
+    ts = pd.concat([f[1] for f in facts], ignore_index=True)
+    if 'rank' in ts:
+        r = ts.groupby(['run_id', 'step'])['rank'].nunique()
         if (r > 1).any():
             run_, step = r[r > 1].index[0]
             raise InputError(f"run {run_!r} step {step} was recorded by more than one rank; shards must record global "
                              "step indices (scale.record_shard does) so that the ranks' steps do not collide")
-    return (sk.shuffle(on=['run_id', 'step']) if steps.duplicated(['run_id', 'step']).any() else sk), len(steps)
+    if ts.duplicated(_p.G).any():     # a (tap, step) over two partitions (files not cut between taps): shuffled once, vetted again
+        sk = sk.shuffle(on=_p.G)
+        facts = [(v,) for v in run(*[delayed(vet_rows)(p) for p in sk.to_delayed()])]
+    return sk, len(ts[['run_id', 'step']].drop_duplicates()), [f[0] for f in facts]
+
+SPREAD = 32   # most output partitions of a per-channel group-by (`split_out`): each chunk is split as many ways, so more cost time
+
+def _spread(sk)->int:
+    "`split_out` of a per-channel group-by over `sk`: one per 2 input partitions, at most `SPREAD`, so that no task combines every channel of every tap."
+    return max(1, min(SPREAD, sk.npartitions // 2))
 
 # %% ../nbs/03a_scale.ipynb #5c6edf2b
 def _dask_tables(sk, run, seed=0):
-    "The pooled tables of `partials.findings_from_tables`, each a distributed group-by over `sk` (whole steps per partition)."
+    "The pooled tables of `partials.findings_from_tables`, each a distributed group-by over `sk` (whole (tap, step)s per partition)."
     K, G, one, P = _m.KEYS, _p.G, dict(split_out=1), _p
+    many = dict(split_out=_spread(sk))   # per-channel tables: spread over output partitions, none combined whole on one worker
     base = sk[~sk.role.isin(list(P.INFER_ROLES))]
     ch = sk[sk.stat.isin(['chan_absmax', 'row_energy'])].map_partitions(P.chan_ratios)
     cs, ev = ch.map_partitions(P.chan_steps), ch[ch.ok]
-    q = dict(dead=sk[sk.stat == 'chan_density'].groupby(K + ['idx']).value.max(**one),
-             share=ev.groupby(K + ['idx'])[['hit', 'ratio']].mean(**one),
-             lo=ev.groupby(K + ['idx']).agg({'ratio': 'min', 'rank': 'max'}, **one),
+    rs = sk.map_partitions(P.row_steps)
+    q = dict(dead=sk[sk.stat == 'chan_density'].groupby(K + ['idx']).value.max(**many),
+             share=ev.groupby(K + ['idx'])[['hit', 'ratio']].mean(**many),
+             lo=ev.groupby(K + ['idx']).agg({'ratio': 'min', 'rank': 'max'}, **many),
              ev=cs[cs.ok].groupby(K).agg({'step': 'count', 'n': 'max'}, **one),
              draws=cs[cs.ok].groupby(K).med.nunique(**one),
              few=cs[~cs.ok].groupby(K).step.count(**one),
@@ -393,8 +476,9 @@ def _dask_tables(sk, run, seed=0):
              numel=base[base.stat == 'numel'][G + ['value']],
              scal=sk.map_partitions(P.scalar_steps).groupby(K + ['stat']).value.mean(**one),
              steps=sk.map_partitions(P.tap_steps).groupby(K).size(**one),
-             hist=sk.map_partitions(P.hist_steps).groupby(K)[['w', 'w2', 'w4']].sum(**one),
-             rows=sk.map_partitions(P.row_steps).groupby(K)[['cv2', 'rows', 'rows90']].mean(**one),
+             sums=sk.map_partitions(P.moment_steps).groupby(K)[list(P.MOMENT_SUMS)].sum(min_count=1, **one),
+             rows=rs.groupby(K)[['rows', 'rows90']].mean(**one),
+             rsum=rs.groupby(K)[['rows', 'row_e2', 'row_e4']].sum(**one),
              chan=cs.groupby(K).agg({'ratio': 'mean', 'n': 'max'}, **one))
     t = {k: _strkeys(v) for k, v in zip(q, run(*q.values()))}
     share = (t['share'].rename(columns={'hit': 'share', 'ratio': 'value'}).merge(t['lo'].rename(columns={'ratio': 'lo'}), on=K + ['idx'])
@@ -405,28 +489,50 @@ def _dask_tables(sk, run, seed=0):
     if len(t['numel']):
         cross = _dask_cross(base, _m.usual_steps(t['numel'].assign(stat='numel')), run, seed)
         per = lambda k: t[k].set_index(K)
-        h = per('hist')
-        f = pd.concat([t['scal'].pivot(index=K, columns='stat', values='value'),
-                       pd.DataFrame({'kurtosis_all': (h.w4 / h.w) / (h.w2 / h.w) ** 2}), per('rows'),
+        f = pd.concat([t['scal'].pivot(index=K, columns='stat', values='value'), per('sums'), per('rows'), per('rsum').rename(columns={'rows': 'row_n'}),
                        per('chan').rename(columns={'ratio': 'outlier_ratio', 'n': 'channels'})], axis=1)
         out.update(features=_m.derived_features(f, per('steps').iloc[:, 0]), cross=cross)
     return out
 
 # %% ../nbs/03a_scale.ipynb #5c6edf2b-s1
+def _chan_counts(d, usual):
+    "Per usual (tap, step) of a partition (whole (tap, step)s): its `chan_absmax` rows `n`, valued rows `v`, least and largest channel."
+    c = _p.usual_rows(d, usual, ['chan_absmax'])
+    g = c.groupby(['tap', 'step'], observed=True)
+    return pd.DataFrame({'n': g.size(), 'v': g.value.count(), 'lo': g.idx.min(), 'hi': g.idx.max()}).reset_index()
+
+def _step_columns(s:pd.DataFrame)->list:
+    "The step columns of the whole run's (tap, channel) × step matrix (`partials.valued_steps`), from `_chan_counts` alone where every tap has the same channels 0..n in each of its steps (a channel's t-th step is its tap's t-th); None where not."
+    if not len(s): return []
+    s = s.sort_values(['tap', 'step'])
+    if not (s.groupby('tap')[['n', 'lo', 'hi']].nunique().eq(1).all(axis=None) and (s.hi - s.lo + 1 == s.n).all()): return None
+    return sorted(set(s.groupby('tap').cumcount()[s.v > 0]))
+
+def _matrix_columns(d, taps): return list(_p.tap_matrix(d[d.stat == 'chan_absmax'], taps).columns)
+
+def _tap_cross(d:pd.DataFrame, # usual rows of `miner.CROSS_STATS` (tap code, stat, idx, step, value), each tap's rows all here
+               taps:pd.DataFrame, cols:list, steps:pd.Series, seed:int, # as `partials.tap_matrix` / `tap_coherence` take them
+              )->tuple:
+    "`miner.tap_stationary` and `miner.cross_table`'s rows of the taps whose series `d` holds (shuffled by tap): both reduced where the series lie."
+    rng = d.groupby(['tap', 'stat', 'idx'], observed=True).value.agg(['min', 'max', 'count', 'size']).reset_index()
+    rng = pd.concat([taps.iloc[rng.tap.to_numpy()].reset_index(drop=True), rng.drop(columns='tap')], axis=1).set_index(_m.KEYS + ['stat', 'idx'])
+    same = _p.tap_stationary(rng)
+    c = d[d.stat == 'chan_absmax']
+    return same, (_p.tap_coherence(_p.tap_matrix(c, taps), cols, same, steps, seed) if len(c) else pd.DataFrame())
+
 def _dask_cross(base, usual, run, seed):
-    "`miner.cross_table`, each tap's rows computed on the worker its `chan_absmax` series were shuffled to (`partials.tap_coherence`)."
+    "`miner.cross_table`: each tap's usual rows shuffled to one partition, its stationarity and permutation test computed there (`_tap_cross`); no task holds more than a few taps' series, and one row per tap comes back."
     import dask
-    K, P = _m.KEYS, _p
+    K, P, dl = _m.KEYS, _p, dask.delayed
     steps = usual.groupby(K).size()
     taps = steps.index.to_frame(index=False)                 # tap code -> KEYS: the shuffle moves small integers, not key strings
     u = usual.merge(taps.assign(tap=np.arange(len(taps))), on=K).astype({k: base[k].dtype for k in K})
-    rng_ = base.map_partitions(P.usual_rows, u, _m.CROSS_STATS).groupby(K + ['stat', 'idx']).value.agg(['min', 'max', 'count', 'size'], split_out=1)
-    same = dask.delayed(P.tap_stationary)(rng_)
-    ca = base.map_partitions(P.usual_rows, u, ['chan_absmax'])[['tap', 'idx', 'step', 'value']].shuffle(on='tap')   # a tap's series in one partition
-    mats = [dask.delayed(P.tap_matrix)(p, taps) for p in ca.to_delayed()]
-    cols = dask.delayed(P.valued_steps)(mats)
-    same, *rows = run(same, *[dask.delayed(P.tap_coherence)(w, cols, same, steps, seed) for w in mats])   # one row per tap comes back
-    rows = [r for r in rows if len(r)]
+    cols = _step_columns(pd.concat(run(*[dl(_chan_counts)(p, u) for p in base.to_delayed()]), ignore_index=True))
+    ca = base.map_partitions(P.usual_rows, u, _m.CROSS_STATS)[['tap', 'stat', 'idx', 'step', 'value']].shuffle(on='tap')   # a tap's series in one partition
+    if cols is None: cols = sorted(set().union(*run(*[dl(_matrix_columns)(p, taps) for p in ca.to_delayed()])))   # `partials.valued_steps`, a pass more
+    out = run(*[dl(_tap_cross)(p, taps, cols, steps, seed) for p in ca.to_delayed()])
+    same = pd.concat([s for s, _ in out]).sort_index()
+    rows = [r for _, r in out if len(r)]
     rest = same[~same.index.isin(pd.concat(rows).index)] if rows else same      # taps without chan_absmax rows
     none = pd.DataFrame(index=pd.MultiIndex.from_arrays([[]] * (len(K) + 1), names=K + ['idx']), dtype=float)
     return pd.concat(rows + [_m.cross_table(rest, steps.reindex(rest.index), none, seed)]).reindex(same.index)
@@ -527,14 +633,14 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
         watch = _Watch(c, patience)
         run = lambda *xs: _run(c, xs, watch, distributed)
         sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
-        sk, n = _whole_steps(sk, run)
+        sk, n, vets = _whole_taps(sk, run, dask.delayed)
         name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)
-        cut = vet_steps(run(*[dask.delayed(vet_rows)(p) for p in sk.to_delayed()]) if n else [], name)   # vetted where the rows lie, judged here
+        cut = vet_steps(_merged_vets(vets) if n else [], name)   # vetted where the rows lie, judged here
         sk = sk.map_partitions(drop_steps, cut, meta=sk._meta).map_partitions(_m.undefined_inf, meta=sk._meta)   # no manifest rows, no incomplete steps, Inf as NaN
         if n:
             st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
             probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'stat', 'value']])[0]
-            sk = sk.map_partitions(_p.finite_steps)     # whole steps per partition: NaN/Inf steps dropped where they lie, as `mine` does
+            sk = sk.map_partitions(_p.finite_steps)     # whole (tap, step)s per partition: NaN/Inf ones dropped where they lie, as `mine` does
             found = _p.findings_from_tables(**_dask_tables(sk, run, seed), steps=st, probs=probs, seed=seed)
         else: found = pd.DataFrame(columns=_m.FINDINGS)
         if rows: found.attrs['rows'] = _strkeys(run(sk[sk.stat.isin(list(rows))])[0])

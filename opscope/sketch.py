@@ -130,6 +130,98 @@ def _raw_blocked(x, R, C, T, s, bins):
     s1, s2, total = sc.sum(1)
     return (s1, s2, total, near, mx, mn), cmax, cmin, per[2].sum(0), energy, dots, hist
 
+# %% ../nbs/01_sketch.ipynb #c5c687d9-b4
+DEFER_MAX = 1 << 15   # eager taps of at most this many elements (128 KiB of float32: a GQA decoder's repeated keys, 9 heads × 45 slots × 64, fit) are copied aside and sketched at the graph's end, all taps of one shape in one batched pass (`_raw_batched`)
+
+class _Deferred:
+    "A small eager tap set aside for `_finalize`: a private copy of its float values as (R, C), and its `_dims`."
+    __slots__ = ('x', 'dims')
+    def __init__(self, x, dims): self.x, self.dims = x, dims
+
+def _raw_batched(X, R, C, T, s, bins):
+    "`_raw_eager`'s parts for G taps of one shape at once, `X` (G, R, C), the finalize's own stacked copy (cleaned in place): each part with a leading G dim. A decode step's few hundred small taps cost ATen's per-call overhead, not arithmetic, so one call per pass per shape instead of one per tap; temporaries in the thread's scratch buffers and compares into floats, as `_raw_eager` (fresh pages and bool reductions cost more than the passes)."
+    G, n, B = X.shape[0], R * C, R // T
+    flat = X.view(G, n)
+    code = torch.nan_to_num(flat, nan=1.0, posinf=2.0, neginf=2.0, out=_scratch(1, G * n, X).view(G, n))
+    clean = X.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    code.sub_(flat)                                             # 0, 1 at NaN, 2 at ±inf
+    s1 = code.sum(1); s2 = code.mul_(code).sum(1)
+    nz = torch.ne(clean, 0, out=code.view(G, R, C)).sum(1)      # 1.0 at each nonzero, per channel
+    rows = clean.view(G, B, T, C)
+    dots = F.pad(torch.mul(rows[:, :, 1:], rows[:, :, :-1], out=code[:, :B * (T - 1) * C].view(G, B, T - 1, C)).sum(-1), (0, 1)).view(G, R)   # row-aligned, 0 at a sequence's last row
+    cmax, cmin = clean.amax(1), clean.amin(1)
+    mx, mn = cmax.amax(1), cmin.amin(1)
+    absmax = torch.maximum(mx, -mn).unsqueeze(1)
+    sample = flat[:, ::s]
+    m = sample.shape[1]
+    tmp, cmp = code[:, :m], _scratch(2, G * m, X).view(G, m)
+    near = torch.le(torch.abs(sample, out=tmp), NEARZERO_REL * absmax, out=cmp).sum(1)
+    v = torch.div(sample, absmax + 1e-12, out=tmp).add_(1).mul_(bins / 2)   # `_hist`'s bin arithmetic, in place
+    at = _scratch(3, G * m, X.new_empty(0, dtype=torch.long)).view(G, m).copy_(v).clamp_(0, bins - 1)   # copy_: truncation, as `.long()`
+    at += torch.arange(G, device=X.device).unsqueeze(1) * bins
+    hist = X.new_zeros(G * bins).scatter_add_(0, at.view(-1), X.new_ones(1).expand(G * m))
+    return (s1, s2, flat.sum(1), near, mx, mn), cmax, cmin, nz, torch.linalg.vector_norm(clean, dim=-1), dots, hist.view(G, bins)
+
+class _DeferredKept:
+    "A small eager masked tap (`sketch_kept`) set aside for `_finalize`: a copy of its values, its `keep` mask (broadcastable to them), its sequence length `T`."
+    __slots__ = ('x', 'keep', 'T')
+    def __init__(self, x, keep, T): self.x, self.keep, self.T = x, keep, T
+
+def _kept_batched(X, K, T:int, bins:int)->torch.Tensor:
+    "`sketch_kept` of G same-shape taps at once, `X` (G, R, C) and `K` its keep mask (bool, the same shape): their packed sketches as rows of one (G, ·) tensor."
+    G, R, C = X.shape
+    dt, nan, inf = X.dtype, float('nan'), float('inf')
+    clean = torch.where(torch.isfinite(X) & K, X, 0.0)
+    kf = K.to(dt)
+    per_chan, per_row = kf.sum(1), kf.sum(-1)
+    n = per_chan.sum(1)
+    live, none = n > 0, per_chan == 0
+    cmax = torch.where(K, clean, -inf).amax(1).masked_fill(none, nan)
+    cmin = torch.where(K, clean, inf).amin(1).masked_fill(none, nan)
+    chan_absmax = torch.maximum(cmax, -cmin)
+    absmax = torch.where(live, chan_absmax.nan_to_num(-inf).amax(1), nan)
+    nz = (clean != 0).to(dt).sum(1)
+    energy = torch.linalg.vector_norm(clean, dim=-1)
+    mean, ms = clean.sum((1, 2)) / n, energy.square().sum(1) / n
+    r4, e3, lv = clean.view(G, -1, T, C), energy.view(G, -1, T), (per_row > 0).view(G, -1, T)
+    cos = (r4[:, :, 1:] * r4[:, :, :-1]).sum(-1) / (e3[:, :, 1:] * e3[:, :, :-1]).clamp_min(1e-30)
+    pair = (lv[:, :, 1:] & lv[:, :, :-1]).to(dt)
+    s = sample_stride(R * C, C)
+    vs, ks = clean.view(G, -1)[:, ::s], kf.view(G, -1)[:, ::s]
+    a = absmax.nan_to_num(0.0).unsqueeze(1)
+    at = ((vs / (a + 1e-12) + 1) * (bins / 2)).long().clamp_(0, bins - 1) + torch.arange(G, device=X.device).unsqueeze(1) * bins
+    hist = X.new_zeros(G * bins).scatter_add_(0, at.view(-1), ks.reshape(-1)).view(G, bins)
+    nearzero = ((vs.abs() <= NEARZERO_REL * a).to(dt) * ks).sum(1) / ks.sum(1)
+    scal = torch.stack([n, cmin.nan_to_num(inf).amin(1).where(live, nan), cmax.nan_to_num(-inf).amax(1).where(live, nan), mean,
+                        (ms - mean * mean).clamp_min(0).sqrt(), absmax, ms.sqrt(), nz.sum(1) / n, nearzero,
+                        (torch.isnan(X) & K).sum((1, 2)).to(dt), (torch.isinf(X) & K).sum((1, 2)).to(dt),
+                        (cos * pair).sum((1, 2)) / pair.sum((1, 2))], 1)
+    return torch.cat([scal, hist, chan_absmax, nz / per_chan, torch.where(per_row > 0, energy, nan)], 1)
+
+def _run_deferred(items:list, bins:int)->list:
+    "`items` with every `_Deferred` tap replaced by its `(raw parts, dims)` (one `_raw_batched` per dims, dtype and device), and every `_DeferredKept` by its packed sketch (one `_kept_batched` per shape)."
+    out, groups = list(items), {}
+    for i, it in enumerate(items):
+        if isinstance(it, _Deferred): groups.setdefault(('raw', it.dims, it.x.dtype, it.x.device), []).append(i)
+        elif isinstance(it, _DeferredKept): groups.setdefault(('kept', it.x.shape, it.keep.shape, it.T, it.x.dtype, it.x.device), []).append(i)
+    for key, idx in groups.items():
+        if key[0] == 'kept':
+            X = torch.stack([items[i].x for i in idx])
+            K = torch.stack([items[i].keep for i in idx]).expand(X.shape)
+            for i, p in zip(idx, _kept_batched(X.view(len(idx), -1, X.shape[-1]), K.reshape(len(idx), -1, X.shape[-1]), key[3], bins).unbind()): out[i] = p
+            continue
+        d = key[1]
+        xs = [items[i].x for i in idx]
+        sc, *per = _raw_batched(torch.stack(xs, out=_scratch(0, len(xs) * d[0] * d[1], xs[0]).view(len(xs), d[0], d[1])), *d, bins)
+        sc, per = [t.unbind() for t in sc], [t.unbind() for t in per]
+        for j, i in enumerate(idx): out[i] = ((tuple(t[j] for t in sc), *(t[j] for t in per)), d)
+    return out
+
+def _defer_kept(x:torch.Tensor, keep:torch.Tensor, bins:int=64):
+    "`pack(sketch_kept(x, keep, bins))`, or eagerly for a small float tap a `_DeferredKept` that `_finalize` sketches with its shape's others."
+    if not (_eager(x) and x.dim() >= 2 and 0 < x.numel() <= DEFER_MAX): return pack(sketch_kept(x, keep, bins))
+    return _DeferredKept(_float(x.detach()).clone(memory_format=torch.contiguous_format), keep.clone(), x.shape[-2])
+
 # %% ../nbs/01_sketch.ipynb #c5c687d9-k0
 EAGER_KERNEL = os.environ.get('OPSCOPE_EAGER_KERNEL', 'aten')  # eager sketches: 'aten' (default) the ATen passes; 'auto' one fused kernel, compiled once per process, for CPU float32 taps of at least FUSED_MIN elements; 'fused' that kernel for every float32 tap on any device
 FUSED_MIN = 1 << 16   # 'auto': smaller taps keep the ATen passes (they cost little, and a process that taps only small tensors never compiles)
@@ -256,11 +348,13 @@ def _eager(x:torch.Tensor)->bool:
     return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 def _raw(x:torch.Tensor, bins:int=64):
-    "A tap's sketch before finalizing: eagerly `(raw parts, dims)` for `_finalize`; an empty or traced tensor's packed sketch directly."
+    "A tap's sketch before finalizing: eagerly `(raw parts, dims)` for `_finalize`, or for a small tap a `_Deferred` copy it batches with others of its shape; an empty or traced tensor's packed sketch directly."
     x = _float(x.detach())
     if not _eager(x): return _packed_traced(x, bins)   # before `_dims`: its stride search is Python over the sizes (`_stride`)
     d = _dims(x)
     if d[0] * d[1] == 0: return _empty_packed(x.reshape(d[0], d[1]), bins)
+    if d[0] * d[1] <= DEFER_MAX and not _use_fused(x, d[0] * d[1]):   # set aside (a copy: the graph may write the tensor later), sketched with its shape's others
+        return _Deferred(x.reshape(d[0], d[1]).clone(memory_format=torch.contiguous_format), d)
     parts = _raw_fused(x, *d, bins) if _use_fused(x, d[0] * d[1]) else None
     if parts is None: parts = (_raw_blocked if _blocked(x, d[0], d[0] * d[1]) else _raw_eager)(x, *d, bins)
     return parts, d
@@ -295,8 +389,8 @@ def _layout(dims:tuple, bins:int, dtype, device)->dict:
     return L
 
 # %% ../nbs/01_sketch.ipynb #c5c687d9-f1
-def _finalize_raw(raws:list, bins:int)->list:
-    "The `STATS` tuples of eager taps (`_raw_eager` parts and dims, one dtype and device), all finalized together in a few vector ops."
+def _finalize_mats(raws:list, bins:int)->tuple:
+    "Eager taps (`_raw_eager` parts and dims, one dtype and device) finalized together in a few vector ops: `(scalars (k, 12), chan_absmax, chan_density, row_energy` each all taps' concatenated`, histograms, layout)`."
     k, dims = len(raws), tuple(d for _, d in raws)
     sc, cmax, cmin, nz, energy, dots, hist = zip(*(p for p, _ in raws))
     s1, s2, total, near, mx, mn = torch.stack([t for s in zip(*sc) for t in s]).view(6, k)
@@ -309,19 +403,60 @@ def _finalize_raw(raws:list, bins:int)->list:
     mean, ms = total / n, per(L['lenR'], E * E) / n
     scal = torch.stack([n, mn, mx, mean, (ms - mean * mean).clamp_min(0).sqrt(), torch.maximum(mx, -mn), ms.sqrt(),
                         per(L['lenC'], NZ) / n, near / L['sampled'], s1 - 2 * inf, inf, per(L['lenP'], cos) / L['pairs']], 1)
+    return scal, torch.maximum(CMAX, -CMIN), NZ / L['rows'], E, hist, L
+
+def _finalize_raw(raws:list, bins:int)->list:
+    "The `STATS` tuples of eager taps (`_raw_eager` parts and dims, one dtype and device), all finalized together (`_finalize_mats`)."
+    scal, CA, CD, E, hist, L = _finalize_mats(raws, bins)
     sv = scal.view(-1).unbind()
-    ca, cd, re = torch.maximum(CMAX, -CMIN).split(L['C']), (NZ / L['rows']).split(L['C']), E.split(L['R'])
-    return [(*sv[len(SCALARS) * i:len(SCALARS) * (i + 1)], ca[i], cd[i], re[i], hist[i]) for i in range(k)]
+    ca, cd, re = CA.split(L['C']), CD.split(L['C']), E.split(L['R'])
+    return [(*sv[len(SCALARS) * i:len(SCALARS) * (i + 1)], ca[i], cd[i], re[i], hist[i]) for i in range(len(raws))]
 
 # %% ../nbs/01_sketch.ipynb #c5c687d9-f2
 def _finalize(items, bins:int)->tuple:
-    "Every tap's sketch: raw eager parts (`_raw`) finalized together per dtype and device into `STATS` tuples; packed sketches as they are."
+    "Every tap's sketch: deferred small taps run batched by shape (`_run_deferred`), then raw eager parts (`_raw`) finalized together per dtype and device into `STATS` tuples; packed sketches as they are."
+    items = _run_deferred(items, bins)
     out, groups = list(items), {}
     for i, it in enumerate(items):
         if not isinstance(it, torch.Tensor): groups.setdefault((it[0][1].dtype, it[0][1].device), []).append(i)
     for idx in groups.values():
         for i, t in zip(idx, _finalize_raw([items[i] for i in idx], bins)): out[i] = t
     return tuple(out)
+
+# %% ../nbs/01_sketch.ipynb #c5c687d9-f5
+def _packed_spans(at:int, n:int, C:int, bins:int)->list:
+    "Where each of the `STATS` of a packed sketch of length `n` (`C` channels) starting at `at` lies: `(start, length)` in `STATS` order."
+    h, R = at + len(SCALARS), n - len(SCALARS) - bins - 2 * C
+    return [(at + j, 1) for j in range(len(SCALARS))] + [(h + bins, C), (h + bins + C, C), (h + bins + 2 * C, R), (h, bins)]
+
+def _finalize_flat(items, chans, bins:int)->tuple:
+    "Every tap's sketch (as `_finalize`) without a tensor per statistic: `(pieces, signature, spans)` — tensors to concatenate; what fixes their layout; and `spans()`, per item the `(start, length)` of each of its `STATS` in that concatenation (`chans`: each item's channel count, read for packed items)."
+    items = _run_deferred(items, bins)
+    pieces, groups, packed = [], {}, []
+    for i, it in enumerate(items):
+        if isinstance(it, torch.Tensor): packed.append(i); pieces.append(it.reshape(-1))
+        else: groups.setdefault((it[0][1].dtype, it[0][1].device), []).append(i)
+    mats = []
+    for idx in groups.values():
+        scal, CA, CD, E, hist, L = _finalize_mats([items[i] for i in idx], bins)
+        pieces += [scal.reshape(-1), CA, CD, E, torch.stack(hist).reshape(-1)]
+        mats.append((idx, L['C'], L['R']))
+    lens = tuple(p.shape[0] for p in pieces[:len(packed)])
+    sig = (bins, tuple(packed), lens, tuple((tuple(idx), tuple(C), tuple(R)) for idx, C, R in mats))
+    def spans():
+        out, at = [None] * len(items), 0
+        for i, n in zip(packed, lens): out[i] = _packed_spans(at, n, int(chans[i]), bins); at += n
+        for idx, Cs, Rs in mats:
+            k, sc, sr = len(idx), sum(Cs), sum(Rs)
+            ca, cd, re, hi = at + k * len(SCALARS), at + k * len(SCALARS) + sc, at + k * len(SCALARS) + 2 * sc, at + k * len(SCALARS) + 2 * sc + sr
+            c0 = r0 = 0
+            for r, (i, C, R) in enumerate(zip(idx, Cs, Rs)):
+                out[i] = ([(at + r * len(SCALARS) + j, 1) for j in range(len(SCALARS))]
+                          + [(ca + c0, C), (cd + c0, C), (re + r0, R), (hi + r * bins, bins)])
+                c0 += C; r0 += R
+            at = hi + k * bins
+        return out
+    return pieces, sig, spans
 
 # %% ../nbs/01_sketch.ipynb #c5c687d9-s7
 def _channels(x): return x.shape[-1] if x.dim() else 1

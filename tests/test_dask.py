@@ -199,3 +199,71 @@ def test_killed_worker_and_no_worker_end_the_call(sketches):
         mine_dask(df[df.run_id == 'mnist'], n_workers=1, memory_limit='150MB')
     with distributed.LocalCluster(n_workers=0, processes=True, dashboard_address=None) as lc, distributed.Client(lc) as c:
         with pytest.raises(ClusterError, match='the cluster has had no worker for 1 s'): mine_dask(df[df.run_id == 'mnist'], c, patience=1)
+
+
+def _taps_per_row_group(f):
+    "Each row group's (run, step, site, role) keys, as sets."
+    p = pq.ParquetFile(f)
+    return [set(map(tuple, p.read_row_group(i, columns=['step', 'site', 'role']).to_pandas().drop_duplicates().to_numpy().tolist()))
+            for i in range(p.num_row_groups)]
+
+
+def test_recorder_cuts_row_groups_between_taps(sketches, tmp_path, monkeypatch):
+    "A dataset's part file is row groups of whole taps (issue 35: a reader can take a step apart tap by tap); a tap never spans two."
+    import opscope.recorder as R
+    df, _ = sketches
+    monkeypatch.setattr(R, 'ROW_GROUP_ROWS', 500)
+    ds = _to_dataset(df, tmp_path / 'ds')
+    files = sorted(ds.rglob('part-*.parquet'))
+    groups = [_taps_per_row_group(f) for f in files]
+    assert max(len(g) for g in groups) > 5                                 # several row groups a step
+    for g in groups:
+        seen = [t for s in g for t in s]
+        assert len(seen) == len(set(seen))                                 # no tap in two row groups
+    assert read_sketches(ds).sort_values(['run_id', 'step', 'site', 'role', 'stat', 'idx']).reset_index(drop=True).equals(
+        read_sketches(_to_dataset(df, tmp_path / 'whole')).sort_values(['run_id', 'step', 'site', 'role', 'stat', 'idx']).reset_index(drop=True))
+    shuffled = df.sample(frac=1, random_state=0)                            # a tap's rows not contiguous: one row group, as before
+    assert R._tap_groups(shuffled[shuffled.step == 0], 100) == [int((shuffled.step == 0).sum())]
+
+
+def test_dask_partitions_of_row_groups_same_findings(sketches, cluster, tmp_path, monkeypatch):
+    "Partitions of a few row groups (whole taps, steps split over partitions) mine as pandas does; row groups that split a tap are shuffled first."
+    import opscope.recorder as R, opscope.scale as S
+    df, _ = sketches
+    ref = mine(df)
+    monkeypatch.setattr(R, 'ROW_GROUP_ROWS', 2000)
+    ds = _to_dataset(df, tmp_path / 'ds')
+    monkeypatch.setattr(S, 'PART_ROWS', 3000)
+    groups = S._row_groups(sorted(ds.rglob('part-*.parquet')), 2)
+    assert len(groups) > len(list(ds.rglob('part-*.parquet')))             # a step over several partitions
+    shuffles = []
+    real = S._whole_taps
+    def whole(sk, run, dl):
+        out = real(sk, run, dl); shuffles.append(out[0] is not sk); return out
+    monkeypatch.setattr(S, '_whole_taps', whole)
+    assert same_findings(ref, mine_dask(ds, cluster))
+    cut = tmp_path / 'cut'                                                  # row groups of 700 rows whatever the taps: a tap split over partitions
+    for f in ds.rglob('part-*.parquet'):
+        (cut / f.parent.relative_to(ds)).mkdir(parents=True, exist_ok=True)
+        pq.write_table(pq.read_table(f), cut / f.relative_to(ds), row_group_size=700)
+    assert same_findings(ref, mine_dask(cut, cluster))
+    assert shuffles == [False, True]                                        # aligned row groups are not shuffled; the cut ones are
+
+
+def test_step_columns_from_counts_or_none():
+    "The run's step columns from per-(tap, step) channel counts; None where a tap's channels differ between steps (then the matrices tell)."
+    from opscope.scale import _step_columns
+    s = pd.DataFrame({'tap': [0, 0, 0, 1, 1], 'step': [4, 1, 2, 1, 3], 'n': 3, 'v': [3, 0, 3, 3, 3], 'lo': 0, 'hi': 2})
+    assert _step_columns(s) == [0, 1, 2]        # tap 0's t=0 (step 1) has no value, but tap 1's has
+    assert _step_columns(s.assign(v=[3, 3, 0, 0, 0])) == [0, 2]    # t=1 (tap 0's step 2, tap 1's step 3) valued nowhere: not a column
+    assert _step_columns(s.assign(hi=[2, 2, 3, 2, 2])) is None
+    assert _step_columns(s.iloc[:0]) == []
+
+
+def test_duckdb_cross_step_in_batches_of_taps(sketches, monkeypatch):
+    "DuckDB hands the chan_absmax series to pandas a batch of whole taps at a time: the same findings with batches of one tap."
+    import opscope.scale as S
+    df, ds = sketches
+    ref = mine(df)
+    monkeypatch.setattr(S, 'CROSS_ROWS', 1)
+    assert same_findings(ref, mine_duckdb(ds))
