@@ -4,7 +4,7 @@
 
 # %% ../nbs/02b_runners.ipynb #dda7d0cc
 from __future__ import annotations
-import contextlib, functools, importlib.util, inspect, json, re, sys, time, warnings, weakref
+import contextlib, functools, importlib.util, inspect, json, re, time, warnings, weakref
 from itertools import islice
 from collections import OrderedDict
 from pathlib import Path
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from .sketch import SCALARS, VECTORS, ATTN_STATS, GATE_STATS
 from .sites import trace
-from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, decode_stats, decode_flat, eager_gate, gate_tolerance, record, inject_taps
+from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, decode_flat, eager_gate, gate_tolerance, record, inject_taps
 from .inject import flat_outputs
 from .shapes import coverage, coverage_warning, tapped_share
 from .probe import safetensors_header, json_depth, MAX_JSON_DEPTH
@@ -123,10 +123,6 @@ def _next_token(logits, eos):
     return s.argmax(-1, keepdim=True)
 
 # %% ../nbs/02b_runners.ipynb #566fc1a5
-def _unwrapped(stats:dict)->dict:
-    "Stats keyed by the decoder's own site names: `StaticDecoder` holds it as `.model`, which the traced graph prefixes."
-    return {k.removeprefix('model.'): v for k, v in stats.items()}
-
 def decoder_coverage(gm, # a traced `StaticDecoder` step (`sites.trace`)
                      *inputs, # its inputs
                     )->pd.DataFrame:
@@ -140,13 +136,9 @@ VECTOR_STATS = tuple(s for s in VECTORS + ATTN_STATS + GATE_STATS
                      if s not in SCALARS + ('peak', 'entropy', 'entropy_max', 'gate_min', 'gate_max', 'gate_mean'))   # one value per row, channel, key, bin or expert
 DIM_STATS = ROW_STATS + CHAN_STATS   # the vectors whose lengths give a tap's M, K, N: always kept
 
-def _kept(stats, drop):
-    "`stats` without the vector stats in `drop`."
-    return {k: v for k, v in stats.items() if k.rsplit('/', 1)[1] not in drop} if drop else stats
-
 @functools.lru_cache(maxsize=4)
 def _flat_kept(keys:tuple, lengths:bytes, drop:frozenset)->tuple:
-    "For a flat step (`inject.FlatPlan`): the keys as the decoder names its sites (`_unwrapped`) without the stats in `drop` (`_kept`), their lengths, the value positions kept (None: all) and the sites; once per layout."
+    "For a flat step (`inject.FlatPlan`): the keys as the decoder names its sites (`StaticDecoder` holds it as `.model`, which the traced graph prefixes) without the vector stats in `drop`, their lengths, the value positions kept (None: all) and the sites; once per layout."
     lengths = np.frombuffer(lengths, np.int64)
     names = tuple(k.removeprefix('model.') for k in keys)
     if not drop: return names, lengths, None, frozenset(k.rsplit('/', 2)[0] for k in names)
@@ -270,7 +262,7 @@ def _step_graph(run, args, taps, bins):
         warnings.simplefilter('always')
         inj = inject_taps(gm, taps, bins, rows=_padded(args), cache_weights='version')   # the weights are fixed while it runs: no value read per step
     for w in ([msg] if msg else []) + [str(w.message) for w in said]:
-        warnings.warn(re.sub(r'(?<![\w.])model\.(?=\w)', '', w), stacklevel=3)   # the sites as the rows name them (`_unwrapped`)
+        warnings.warn(re.sub(r'(?<![\w.])model\.(?=\w)', '', w), stacklevel=3)   # the sites as the rows name them (`_flat_kept`)
     return flat_outputs(inj)     # its stats as one flat tensor: a decode step returns ~10⁴ of them
 
 

@@ -16,7 +16,7 @@ from . import partials as _p
 from . import scale as _self   # this module as imported: spawned ranks unpickle `_spawned` from it (also when called from the notebook)
 
 # %% auto #0
-__all__ = ['PATIENCE', 'POLL', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings',
+__all__ = ['PATIENCE', 'POLL', 'WORKER_ENV', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings',
            'ClusterError', 'mine_dask', 'WORKLOADS']
 
 # %% ../nbs/03a_scale.ipynb #fb8246b6
@@ -189,6 +189,37 @@ def _q(con, sql, index=None):
     df = con.execute(sql).df()
     return df.set_index(index) if index else df
 
+# %% ../nbs/03a_scale.ipynb #7c9e71e7
+BATCH_ROWS = 2**22   # chan_absmax rows of the batch of whole taps that one DuckDB query reduces per step: `median()` and `rank()` hold a group whole in memory, so the batch, not the run, sets what they hold
+
+def _batches(taps, # tap codes, ascending
+             counts, # each tap's rows
+             rows:int, # rows a batch holds, about (a tap is never split: one larger than `rows` is a batch of its own)
+            )->list:
+    "Consecutive taps grouped into batches of about `rows` rows: `[(first tap, last tap), ...]`."
+    taps, counts = np.asarray(taps, np.int64), np.asarray(counts, np.int64)
+    if not len(taps): return []
+    first = taps[np.flatnonzero(np.diff((counts.cumsum() - counts) // max(int(rows), 1), prepend=-1))]   # a tap joins the batch its first row falls in
+    return list(zip(first.tolist(), [*(first[1:] - 1).tolist(), int(taps[-1])]))
+
+def _tap_batches(con)->list:
+    """Temp tables keyed by a tap code (`ctaps`: tap -> KEYS), once per connection: `chan` (the `chan_absmax` rows of view `sk`; `mm`: a
+    matmul-style tap, as view `base` keeps), `hist` (the `hist` rows of `base`), `tstep` (absmax and numel per (tap, step) of `base`) and `few` (the steps with too few rows for the outlier rules),
+    each sorted by tap so that a batch of taps is a range scan; the batches of about `BATCH_ROWS` chan_absmax rows."""
+    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS ctaps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap
+                    FROM (SELECT {K}, count(*) FILTER (WHERE stat = 'chan_absmax') n FROM sk GROUP BY ALL)""")
+    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS chan AS SELECT tap, step, idx, value, role NOT IN ('attn', 'gate') mm
+                    FROM sk JOIN ctaps USING ({K}) WHERE stat = 'chan_absmax' ORDER BY tap""")    # the sorts spill; zone maps then skip other batches' rows
+    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS hist AS SELECT tap, step, idx, greatest(value, 0) w
+                    FROM base JOIN ctaps USING ({K}) WHERE stat = 'hist' ORDER BY tap""")
+    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS tstep AS SELECT tap, step, max(CASE WHEN stat = 'absmax' THEN nn(value) END) absmax,
+                    max(CASE WHEN stat = 'numel' THEN nn(value) END) numel FROM base JOIN ctaps USING ({K}) WHERE stat IN ('absmax', 'numel') GROUP BY ALL ORDER BY tap""")
+    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS few AS SELECT tap, step FROM sk JOIN ctaps USING ({K}) WHERE stat = 'row_energy'
+                    GROUP BY ALL HAVING count(value) < {_m.OUTLIER_MIN_ROWS}""")
+    n = con.execute("SELECT tap, n FROM ctaps ORDER BY tap").fetchnumpy()
+    return _batches(n['tap'], n['n'], BATCH_ROWS) or [(0, -1)]   # no taps: one empty batch, so the queries still give their columns
+
+
 # %% ../nbs/03a_scale.ipynb #7c9e71e8
 def _features_sql(con):
     "miner.tap_features, computed by DuckDB: one row per tap."
@@ -199,18 +230,7 @@ def _features_sql(con):
     sums = _q(con, f"""WITH s AS (SELECT {K}, step, {', '.join(f"max(CASE WHEN stat = {_Q(s)} THEN nn(value) END) {s}" for s in ('numel', 'rms', 'density', 'absmax'))}
                                   FROM base WHERE stat IN ('numel', 'rms', 'density', 'absmax') GROUP BY ALL)
         SELECT {K}, sum(numel) vals, sum(numel * rms^2) energy, sum(numel * density) nnz, sum(numel * density * absmax^2) peak2 FROM s GROUP BY ALL""", _m.KEYS)
-    tail = _q(con, f"""WITH h AS (SELECT {K}, step, idx, greatest(value, 0) w FROM base WHERE stat = 'hist'),
-        b AS (SELECT {K}, step, max(idx) + 1 bins FROM h GROUP BY ALL),
-        s AS (SELECT {K}, step, max(CASE WHEN stat = 'absmax' THEN nn(value) END) absmax, max(CASE WHEN stat = 'numel' THEN nn(value) END) numel
-              FROM base WHERE stat IN ('absmax', 'numel') GROUP BY ALL),
-        k AS (SELECT {K}, step, floor(abs(idx + 0.5 - bins / 2) + bins % 2 / 2) j, sum(w) k FROM h JOIN b USING ({K}, step) GROUP BY ALL),
-        l AS (SELECT {K}, step, j, count(*) l FROM (
-                SELECT {K}, step, least(floor(c.value / s.absmax * bins / 2 + bins % 2 / 2), (bins + 1) // 2 - 1) j
-                FROM base c JOIN s USING ({K}, step) JOIN b USING ({K}, step) WHERE c.stat = 'chan_absmax' AND nn(c.value) IS NOT NULL AND s.absmax > 0) GROUP BY ALL)
-        SELECT {K}, step, j, coalesce(k.k, 0) k, coalesce(l.l, 0) l, bins, absmax, numel
-        FROM k FULL JOIN l USING ({K}, step, j) JOIN b USING ({K}, step) JOIN s USING ({K}, step)""")
-    s4 = _m.tail_s4(tail)
-    s4 = s4.groupby(level=_m.KEYS).agg(s4='sum', hsteps='count')
+    s4 = pd.concat([_tail_sql(con, lo, hi) for lo, hi in _tap_batches(con)])
     rows = _q(con, f"""WITH r AS (SELECT {K}, step, value^2 e2 FROM base WHERE stat = 'row_energy' AND NOT isnan(value)),   -- NaN (or NULL): not a row
         w AS (SELECT *, sum(e2) OVER (PARTITION BY {K}, step ORDER BY e2 DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) before,
                         sum(e2) OVER (PARTITION BY {K}, step) total FROM r),
@@ -218,32 +238,47 @@ def _features_sql(con):
                      CASE WHEN max(total) > 0 THEN avg(CASE WHEN e2 IS NOT NULL AND coalesce(before, 0) < 0.9 * total THEN 1.0 ELSE 0.0 END) END rows90
               FROM w GROUP BY ALL)
         SELECT {K}, avg(n) "rows", avg(nn(rows90)) rows90, sum(n) row_n, sum(e2) row_e2, sum(e4) row_e4 FROM s GROUP BY ALL""", _m.KEYS)
-    chan = _q(con, f"""WITH c AS (SELECT {K}, step, value FROM base WHERE stat = 'chan_absmax'),
-        m AS (SELECT {K}, step, median(value) med, count(*) n FROM c GROUP BY ALL),
-        p AS (SELECT {K}, step, max(c.value / CASE WHEN m.med > 0 THEN m.med END) ratio, any_value(m.n) n
-              FROM c JOIN m USING ({K}, step) GROUP BY ALL)
-        SELECT {K}, avg(nn(ratio)) outlier_ratio, max(n) channels FROM p GROUP BY ALL""", _m.KEYS)
+    chan = pd.concat([_q(con, f"""WITH c AS (SELECT tap, step, value FROM chan WHERE tap BETWEEN {lo} AND {hi} AND mm),
+        m AS (SELECT tap, step, median(value) med, count(*) n FROM c GROUP BY ALL),
+        p AS (SELECT tap, step, max(c.value / CASE WHEN m.med > 0 THEN m.med END) ratio, any_value(m.n) n FROM c JOIN m USING (tap, step) GROUP BY ALL)
+        SELECT {K}, avg(nn(ratio)) outlier_ratio, max(p.n) channels FROM p JOIN ctaps USING (tap) GROUP BY ALL""", _m.KEYS)
+        for lo, hi in _tap_batches(con)])    # a batch of whole taps at a time: median() holds its groups in memory
     steps = _q(con, f"SELECT {K}, count(DISTINCT step) steps FROM base GROUP BY ALL", _m.KEYS).steps
     return _m.derived_features(pd.concat([scal, sums, s4, rows, chan], axis=1), steps)
+
+def _tail_sql(con, lo, hi):
+    "`miner.tail_s4` summed over each tap's steps (`s4`, and `hsteps`: its steps with a histogram), for the taps `lo`..`hi` (`_tap_batches`)."
+    t = _q(con, f"""WITH h AS (SELECT tap, step, idx, w FROM hist WHERE tap BETWEEN {lo} AND {hi}),
+        b AS (SELECT tap, step, max(idx) + 1 bins FROM h GROUP BY ALL),
+        s AS (SELECT tap, step, absmax, numel FROM tstep WHERE tap BETWEEN {lo} AND {hi}),
+        k AS (SELECT tap, step, floor(abs(idx + 0.5 - bins / 2) + bins % 2 / 2) j, sum(w) k FROM h JOIN b USING (tap, step) GROUP BY ALL),
+        l AS (SELECT tap, step, j, count(*) l FROM (
+                SELECT tap, step, least(floor(c.value / s.absmax * bins / 2 + bins % 2 / 2), (bins + 1) // 2 - 1) j
+                FROM chan c JOIN s USING (tap, step) JOIN b USING (tap, step)
+                WHERE c.tap BETWEEN {lo} AND {hi} AND c.mm AND nn(c.value) IS NOT NULL AND s.absmax > 0) GROUP BY ALL)
+        SELECT {K}, step, j, coalesce(k.k, 0) k, coalesce(l.l, 0) l, bins, absmax, numel
+        FROM k FULL JOIN l USING (tap, step, j) JOIN b USING (tap, step) JOIN s USING (tap, step) JOIN ctaps USING (tap)""")
+    return _m.tail_s4(t).groupby(level=_m.KEYS).agg(s4='sum', hsteps='count')
+
 
 # %% ../nbs/03a_scale.ipynb #7c9e71e8-s1
 def _channel_findings_sql(con):
     "Per-channel reductions (dead channels, outlier shares) and the softmax / top-k rows pooled over steps (`partials.infer_table`)."
-    dead = _q(con, f"""SELECT {K}, 'chan_density' stat, 0 step, idx, max(value) value FROM sk
-                       WHERE stat = 'chan_density' GROUP BY ALL""")
-    share = _q(con, f"""WITH c AS (SELECT {K}, step, idx, value FROM sk WHERE stat = 'chan_absmax'),
-        few AS (SELECT {K}, step FROM sk WHERE stat = 'row_energy' GROUP BY ALL HAVING count(value) < {_m.OUTLIER_MIN_ROWS}),
-        e AS (SELECT * FROM c ANTI JOIN few USING ({K}, step)),
-        m AS (SELECT {K}, step, median(value) med, count(*) n FROM e GROUP BY ALL),
-        r AS (SELECT {K}, step, idx, e.value / CASE WHEN m.med > 0 THEN m.med END ratio FROM e JOIN m USING ({K}, step)),
-        t AS (SELECT r.*, CASE WHEN ratio >= {_m.OUTLIER_TOP_RATIO} THEN rank() OVER (PARTITION BY {K}, step ORDER BY ratio DESC NULLS LAST) ELSE m.n END rk
-              FROM r JOIN m USING ({K}, step)),
-        s AS (SELECT {K}, count(*) steps, count(DISTINCT med) draws, max(n) channels FROM m GROUP BY ALL),
-        f AS (SELECT {K}, count(DISTINCT step) few FROM c SEMI JOIN few USING ({K}, step) GROUP BY ALL)
+    dead = _q(con, f"""WITH d AS (SELECT {K}, idx, max(value) value FROM sk WHERE stat = 'chan_density' GROUP BY ALL)
+        SELECT {K}, 'chan_density' stat, 0 step, idx, value FROM d WHERE value <= {_m.DEAD_CHANNEL_DENSITY}
+        UNION SELECT {K}, 'chan_density' stat, 0 step, idx, value FROM d QUALIFY idx = max(idx) OVER (PARTITION BY {K})""")   # the dead channels, and each tap's last (its channel count): not every channel
+    share = pd.concat([_q(con, f"""WITH c AS (SELECT tap, step, idx, value FROM chan WHERE tap BETWEEN {lo} AND {hi}),
+        e AS (SELECT * FROM c ANTI JOIN few USING (tap, step)),
+        m AS (SELECT tap, step, median(value) med, count(*) n FROM e GROUP BY ALL),
+        r AS (SELECT tap, step, idx, e.value / CASE WHEN m.med > 0 THEN m.med END ratio FROM e JOIN m USING (tap, step)),
+        t AS (SELECT r.*, CASE WHEN ratio >= {_m.OUTLIER_TOP_RATIO} THEN rank() OVER (PARTITION BY tap, step ORDER BY ratio DESC NULLS LAST) ELSE m.n END rk
+              FROM r JOIN m USING (tap, step)),
+        s AS (SELECT tap, count(*) steps, count(DISTINCT med) draws, max(n) channels FROM m GROUP BY ALL),
+        f AS (SELECT tap, count(DISTINCT step) few FROM c SEMI JOIN few USING (tap, step) GROUP BY ALL)
         SELECT {K}, idx, share, value, lo, rk "rank", steps, draws, channels, coalesce(few, 0) few FROM (
-            SELECT {K}, idx, avg(CASE WHEN ratio > {_m.OUTLIER_RATIO} THEN 1.0 ELSE 0.0 END) share, avg(nn(ratio)) value, min(ratio) lo,
-                   max(rk) rk FROM t GROUP BY ALL) JOIN s USING ({K}) LEFT JOIN f USING ({K})
-        WHERE share >= {_m.OUTLIER_PERSIST} OR lo >= {_m.OUTLIER_TOP_RATIO}""")
+            SELECT tap, idx, avg(CASE WHEN ratio > {_m.OUTLIER_RATIO} THEN 1.0 ELSE 0.0 END) share, avg(nn(ratio)) value, min(ratio) lo,
+                   max(rk) rk FROM t GROUP BY ALL) JOIN s USING (tap) LEFT JOIN f USING (tap) JOIN ctaps USING (tap)
+        WHERE share >= {_m.OUTLIER_PERSIST} OR lo >= {_m.OUTLIER_TOP_RATIO}""") for lo, hi in _tap_batches(con)], ignore_index=True)   # per (tap, step) medians and ranks, a batch of whole taps at a time
     sums = _q(con, f"""SELECT {K}, stat, idx, sum(value) value FROM sk WHERE role IN ('attn', 'gate') AND stat <> 'head_mass' GROUP BY ALL""")
     head = _q(con, f"""WITH tk AS (SELECT {K}, step, count(*) Tk FROM sk WHERE role = 'attn' AND stat = 'key_mass' GROUP BY ALL)
         SELECT {K}, idx // Tk h, idx % Tk "key", sum(value) value FROM sk JOIN tk USING ({K}, step)
@@ -263,17 +298,16 @@ def _cross_sql(con, seed=0):
     stats = ', '.join(_Q(s) for s in _m.CROSS_STATS)
     stationary = _q(con, f"""SELECT {K}, bool_and(coalesce(CASE WHEN greatest(abs(mn), abs(mx)) > 0 THEN (mx - mn) / greatest(abs(mn), abs(mx)) ELSE 0 END
                                   <= {_m.STATIONARY_RTOL}, false) AND valued = compared) stationary
-        FROM (SELECT {K}, stat, idx, min(value) mn, max(value) mx, count(value) valued, count(*) compared FROM base JOIN usual USING ({K}, step)
+        FROM (SELECT {K}, stat, idx, min(value) mn, max(value) mx, count(value) valued, count(*) compared FROM base SEMI JOIN usual USING ({K}, step)
               WHERE stat IN ({stats}) GROUP BY ALL) GROUP BY ALL""", _m.KEYS).stationary
     steps = _q(con, f"SELECT {K}, count(*) steps FROM usual GROUP BY ALL", _m.KEYS).steps
     con.execute(f"CREATE TEMP TABLE taps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap FROM (SELECT DISTINCT {K} FROM usual)")
     con.execute(f"""CREATE TEMP TABLE ca AS SELECT tap, idx, row_number() OVER (PARTITION BY tap, idx ORDER BY step) - 1 t, value
-        FROM base JOIN usual USING ({K}, step) JOIN taps USING ({K}) WHERE stat = 'chan_absmax'""")     # t: a channel's t-th usual step
+        FROM base SEMI JOIN usual USING ({K}, step) JOIN taps USING ({K}) WHERE stat = 'chan_absmax'""")   # t: a channel's t-th usual step (SEMI: over an inner join's rows DuckDB ran out of memory at 10⁸ rows)
     cols = [t for (t,) in con.execute("SELECT DISTINCT t FROM ca WHERE value IS NOT NULL ORDER BY t").fetchall()]   # as pivot_table drops all-NaN columns
     keys = _q(con, f"SELECT tap, {K} FROM taps ORDER BY tap", 'tap')
-    n = con.execute("SELECT tap, count(*) FROM ca GROUP BY tap ORDER BY tap").fetchnumpy()
-    first = np.asarray(n['tap'])[np.flatnonzero(np.diff(np.asarray(n['count_star()']).cumsum() // CROSS_ROWS, prepend=-1))]   # a batch's first tap
-    bounds = list(zip(first, [*first[1:] - 1, len(keys)]))
+    n = con.execute("SELECT tap, count(*) n FROM ca GROUP BY tap ORDER BY tap").fetchnumpy()
+    bounds = _batches(n['tap'], n['n'], CROSS_ROWS)
     rows = [_cross_batch(con.execute(f"SELECT tap, idx, t, value FROM ca WHERE tap BETWEEN {a} AND {b}").fetchnumpy(), keys, cols, stationary, steps, seed)
             for a, b in bounds]
     rows = [r for r in rows if len(r)]
@@ -316,7 +350,9 @@ def mine_duckdb(sketches, # a Parquet dataset directory, a .parquet / .csv sketc
                                        "global step indices (scale.record_shard does) so that the ranks' steps do not collide")
         t = dict(_channel_findings_sql(con), features=None, cross=None)
         if con.execute("SELECT count(*) FROM (SELECT 1 FROM base LIMIT 1)").fetchone()[0]:
-            t.update(features=_features_sql(con), cross=_cross_sql(con))
+            t['features'] = _features_sql(con)
+            con.execute("DROP TABLE IF EXISTS chan; DROP TABLE IF EXISTS hist")   # done with: their memory (or spill) is the cross-step's
+            t['cross'] = _cross_sql(con)
         t['steps'] = _m.step_frame(_q(con, "SELECT * FROM steps", _m.KEYS + ['step']))
         t['probs'] = con.execute("SELECT run_id, site, role, step, stat, value FROM sk WHERE stat = 'numel' AND role IN ('attn', 'lhs')").df()
         return _p.findings_from_tables(**t)
@@ -423,9 +459,19 @@ def _strkeys(x):
     return as_strings(x, _m.KEYS)
 
 # %% ../nbs/03a_scale.ipynb #4fe7325b-s3
+PROB_COLS = ['run_id', 'site', 'role', 'step', 'stat', 'value']   # the numel rows the probability rules read (`partials.findings_from_tables`' probs)
+
 def _tap_facts(d:pd.DataFrame)->tuple:
-    "A partition's `tables.vet_rows` and its (tap, step)s, with `rank` where present."
-    return vet_rows(d), d[[c for c in _p.G + ['rank'] if c in d]].drop_duplicates()
+    "A partition's `tables.vet_rows` and its (tap, step)s, with `rank` where present; and, read in the same pass, its `miner.step_table` and probability rows (`PROB_COLS`) over its rows without manifests, ±Inf as NaN."
+    c = _m.undefined_inf(drop_steps(d))
+    return (vet_rows(d), d[[x for x in _p.G + ['rank'] if x in d]].drop_duplicates(), _m.step_table(c),
+            c.loc[(c.stat == 'numel') & c.role.isin(['attn', 'lhs']), PROB_COLS])
+
+def _uncut(t:pd.DataFrame, cut)->pd.DataFrame:
+    "`t` (run_id and step as columns or index levels) without the steps `cut` (`vet_steps`' `(run_id, step[, rank])`; a step is one rank's)."
+    if not len(cut): return t
+    f = t.index.to_frame(index=False) if 'step' in t.index.names else t
+    return t[~pd.MultiIndex.from_frame(f[['run_id', 'step']]).isin([tuple(x[:2]) for x in cut])]
 
 def _merged_vets(parts:list)->list:
     "`vet_rows` of partitions that may each hold part of a step (whole taps), as `vet_steps` takes them: per step, rows and manifests summed."
@@ -436,7 +482,7 @@ def _merged_vets(parts:list)->list:
     return [(s.reset_index(), first(1), first(2))]
 
 def _whole_taps(sk, run, delayed):
-    "`sk` with every (tap, step) inside one partition (shuffled on them if not), the number of steps and the partitions' `vet_rows`; refuses steps from two ranks."
+    "`sk` with every (tap, step) inside one partition (shuffled on them if not), the number of steps, the partitions' `vet_rows`, the step table and probability rows read in that pass (None if shuffled) and the taps numbered (`_coded`); refuses steps from two ranks."
     facts = run(*[delayed(_tap_facts)(p) for p in sk.to_delayed()])
     ts = pd.concat([f[1] for f in facts], ignore_index=True)
     if 'rank' in ts:
@@ -448,7 +494,9 @@ def _whole_taps(sk, run, delayed):
     if ts.duplicated(_p.G).any():     # a (tap, step) over two partitions (files not cut between taps): shuffled once, vetted again
         sk = sk.shuffle(on=_p.G)
         facts = [(v,) for v in run(*[delayed(vet_rows)(p) for p in sk.to_delayed()])]
-    return sk, len(ts[['run_id', 'step']].drop_duplicates()), [f[0] for f in facts]
+    read = None if len(facts[0]) == 1 else (pd.concat([f[2] for f in facts]), pd.concat([f[3] for f in facts], ignore_index=True))
+    taps = ts[_m.KEYS].drop_duplicates(ignore_index=True).assign(tap=lambda t: np.arange(len(t), dtype=np.int64))
+    return sk, len(ts[['run_id', 'step']].drop_duplicates()), [f[0] for f in facts], read, taps
 
 SPREAD = 32   # most output partitions of a per-channel group-by (`split_out`): each chunk is split as many ways, so more cost time
 
@@ -457,17 +505,17 @@ def _spread(sk)->int:
     return max(1, min(SPREAD, sk.npartitions // 2))
 
 # %% ../nbs/03a_scale.ipynb #5c6edf2b
-def _dask_tables(sk, run, seed=0):
-    "The pooled tables of `partials.findings_from_tables`, each a distributed group-by over `sk` (whole (tap, step)s per partition)."
+def _dask_tables(sk, run, taps, seed=0):
+    "The pooled tables of `partials.findings_from_tables`, each a distributed group-by over `sk` (whole (tap, step)s per partition); the per-channel ones keyed by tap code (`taps`, `_coded`)."
     K, G, one, P = _m.KEYS, _p.G, dict(split_out=1), _p
     many = dict(split_out=_spread(sk))   # per-channel tables: spread over output partitions, none combined whole on one worker
     base = sk[~sk.role.isin(list(P.INFER_ROLES))]
     ch = sk[sk.stat.isin(['chan_absmax', 'row_energy'])].map_partitions(P.chan_ratios)
-    cs, ev = ch.map_partitions(P.chan_steps), ch[ch.ok]
+    cs, ev = ch.map_partitions(P.chan_steps), ch[ch.ok].map_partitions(_coded, taps)
     rs = sk.map_partitions(P.row_steps)
-    q = dict(dead=sk[sk.stat == 'chan_density'].groupby(K + ['idx']).value.max(**many),
-             share=ev.groupby(K + ['idx'])[['hit', 'ratio']].mean(**many),
-             lo=ev.groupby(K + ['idx']).agg({'ratio': 'min', 'rank': 'max'}, **many),
+    q = dict(dead=sk[sk.stat == 'chan_density'].map_partitions(_coded, taps).groupby(['tap', 'idx']).value.max(**many),
+             share=ev.groupby(['tap', 'idx'])[['hit', 'ratio']].mean(**many),
+             lo=ev.groupby(['tap', 'idx']).agg({'ratio': 'min', 'rank': 'max'}, **many),
              ev=cs[cs.ok].groupby(K).agg({'step': 'count', 'n': 'max'}, **one),
              draws=cs[cs.ok].groupby(K).med.nunique(**one),
              few=cs[~cs.ok].groupby(K).step.count(**one),
@@ -480,7 +528,7 @@ def _dask_tables(sk, run, seed=0):
              rows=rs.groupby(K)[['rows', 'rows90']].mean(**one),
              rsum=rs.groupby(K)[['rows', 'row_e2', 'row_e4']].sum(**one),
              chan=cs.groupby(K).agg({'ratio': 'mean', 'n': 'max'}, **one))
-    t = {k: _strkeys(v) for k, v in zip(q, run(*q.values()))}
+    t = {k: _strkeys(_decoded(v, taps) if k in CODED else v) for k, v in zip(q, run(*q.values()))}
     share = (t['share'].rename(columns={'hit': 'share', 'ratio': 'value'}).merge(t['lo'].rename(columns={'ratio': 'lo'}), on=K + ['idx'])
              .merge(t['ev'].rename(columns={'step': 'steps', 'n': 'channels'}), on=K).merge(t['draws'].rename(columns={'med': 'draws'}), on=K)
              .merge(t['few'].rename(columns={'step': 'few'}), on=K, how='left').fillna({'few': 0}))
@@ -493,6 +541,17 @@ def _dask_tables(sk, run, seed=0):
                        per('chan').rename(columns={'ratio': 'outlier_ratio', 'n': 'channels'})], axis=1)
         out.update(features=_m.derived_features(f, per('steps').iloc[:, 0]), cross=cross)
     return out
+
+CODED = ('dead', 'share', 'lo')   # `_dask_tables`' per-channel group-bys, keyed by (tap code, channel)
+
+def _coded(d:pd.DataFrame, taps:pd.DataFrame)->pd.DataFrame:
+    "Partition `d` with its tap (KEYS) replaced by the tap's integer code in `taps`: a per-channel group-by then hashes and shuffles two integers a row, not four strings."
+    return d.merge(taps, on=_m.KEYS).drop(columns=_m.KEYS)
+
+def _decoded(x, taps:pd.DataFrame)->pd.DataFrame:
+    "A gathered table keyed by tap code, its taps named again (KEYS)."
+    return x.reset_index().merge(taps, on='tap').drop(columns='tap')
+
 
 # %% ../nbs/03a_scale.ipynb #5c6edf2b-s1
 def _chan_counts(d, usual):
@@ -543,6 +602,8 @@ class ClusterError(InputError, RuntimeError):
 
 PATIENCE = 30.0   # seconds `mine_dask` waits on a worker that stays paused (or on a cluster without workers) before it fails
 POLL = 0.5        # seconds between two looks at the workers while a computation runs
+WORKER_ENV = {'ARROW_DEFAULT_MEMORY_POOL': 'system'}   # for the workers: Arrow's default allocator (mimalloc) keeps the pages it frees; glibc's, which Dask's nanny sets to trim (MALLOC_TRIM_THRESHOLD_), gives them back
+
 
 # %% ../nbs/03a_scale.ipynb #8c1e5a01-s1
 def _mib(b): return f"{b / 2**20:,.0f} MiB"
@@ -626,22 +687,24 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
     dask, dd, distributed = _dask()
     cluster = None
     if client is None:
-        cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=memory_limit,
+        cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=memory_limit, env=WORKER_ENV,
                                            dashboard_address=None, silence_logs=logging.ERROR)   # its notes (shuffles, pauses) are not the user's: a failure is one ClusterError
     c = client if isinstance(client, distributed.Client) else distributed.Client(cluster or client)
     try:
         watch = _Watch(c, patience)
         run = lambda *xs: _run(c, xs, watch, distributed)
         sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
-        sk, n, vets = _whole_taps(sk, run, dask.delayed)
+        sk, n, vets, read, taps = _whole_taps(sk, run, dask.delayed)
         name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)
         cut = vet_steps(_merged_vets(vets) if n else [], name)   # vetted where the rows lie, judged here
         sk = sk.map_partitions(drop_steps, cut, meta=sk._meta).map_partitions(_m.undefined_inf, meta=sk._meta)   # no manifest rows, no incomplete steps, Inf as NaN
         if n:
-            st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
-            probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][['run_id', 'site', 'role', 'step', 'stat', 'value']])[0]
+            if read: st, probs = (_uncut(t, cut) for t in read)      # read with the vetting: one pass over the data fewer
+            else:
+                st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
+                probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][PROB_COLS])[0]
             sk = sk.map_partitions(_p.finite_steps)     # whole (tap, step)s per partition: NaN/Inf ones dropped where they lie, as `mine` does
-            found = _p.findings_from_tables(**_dask_tables(sk, run, seed), steps=st, probs=probs, seed=seed)
+            found = _p.findings_from_tables(**_dask_tables(sk, run, taps, seed), steps=st, probs=probs, seed=seed)
         else: found = pd.DataFrame(columns=_m.FINDINGS)
         if rows: found.attrs['rows'] = _strkeys(run(sk[sk.stat.isin(list(rows))])[0])
         return found
