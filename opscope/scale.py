@@ -5,6 +5,7 @@
 # %% ../nbs/03a_scale.ipynb #4a8d0cee
 from __future__ import annotations
 import logging, os, socket, time
+from contextlib import contextmanager
 from itertools import chain, islice
 from pathlib import Path
 import numpy as np
@@ -16,8 +17,8 @@ from . import partials as _p
 from . import scale as _self   # this module as imported: spawned ranks unpickle `_spawned` from it (also when called from the notebook)
 
 # %% auto #0
-__all__ = ['PATIENCE', 'POLL', 'WORKER_ENV', 'record_shard', 'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings',
-           'ClusterError', 'mine_dask', 'WORKLOADS']
+__all__ = ['TASK_ROWS', 'VET_ROWS', 'TASK_SHARE', 'PATIENCE', 'POLL', 'WORKER_ENV', 'record_shard', 'record_spawned',
+           'mine_duckdb', 'select_sketches', 'same_findings', 'ClusterError', 'mine_dask', 'WORKLOADS']
 
 # %% ../nbs/03a_scale.ipynb #fb8246b6
 def record_shard(model, # an `nn.Module` (each rank holds its own replica)
@@ -95,10 +96,10 @@ def record_spawned(out, # the dataset directory to write
 K = ', '.join(_m.KEYS)
 _Q = lambda x: "'" + str(x).replace("'", "''") + "'"
 
-def _connect(memory_limit=None, threads=None, temp_directory=None):
+def _connect(memory_limit=None, threads=None, temp_directory=None, database=':memory:'):
     try: import duckdb
     except ImportError: raise ImportError("out-of-core mining needs DuckDB: pip install duckdb (it is in opscope's dev extra)") from None
-    con = duckdb.connect()
+    con = duckdb.connect(str(database))
     if memory_limit: con.execute(f"SET memory_limit = {_Q(memory_limit)}")
     if threads: con.execute(f"SET threads = {int(threads)}")
     if temp_directory: con.execute(f"SET temp_directory = {_Q(temp_directory)}")
@@ -116,55 +117,71 @@ def _source(con, src):
     if p.is_dir():
         files = dataset_files(p)
         if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
-        keys = [s.split('=', 1)[0] for s in files[0].relative_to(p).parts[:-1] if '=' in s]
-        types = ', '.join(f"{_Q(k)}: {'BIGINT' if PARTITION_TYPES.get(k) == 'int64' else 'VARCHAR'}" for k in keys)
-        hive = f", hive_partitioning = true, hive_types = {{{types}}}" if keys else ''
-        return f"read_parquet([{', '.join(_Q(f) for f in files)}]{hive})"
-    if p.suffix.lower() == '.parquet': return f"read_parquet({_Q(p)})"
+        return _parquet(files, p)
+    if p.suffix.lower() == '.parquet': return _parquet([p], p.parent)
     con.register('frame', read_sketches(p)); return 'frame'     # CSV: validated by read_sketches, then the same SQL
 
+def _parquet(files, # part files of one dataset
+             root, # its directory: the folder names between it and a file are hive partition keys (`run_id=...`)
+             located:bool=False, # also each row's `filename` and `file_row_number`
+            )->str:
+    "The FROM clause that reads `files`, their partition keys as typed columns."
+    keys = [s.split('=', 1)[0] for s in Path(files[0]).relative_to(root).parts[:-1] if '=' in s]
+    types = ', '.join(f"{_Q(k)}: {'BIGINT' if PARTITION_TYPES.get(k) == 'int64' else 'VARCHAR'}" for k in keys)
+    hive = f", hive_partitioning = true, hive_types = {{{types}}}" if keys else ''
+    return f"read_parquet([{', '.join(_Q(f) for f in files)}]{hive}{', filename = true, file_row_number = true' if located else ''})"
+
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s2
-def _views(con, src, name):
-    "Views `sk` (typed, NaN and ±Inf as NULL: `miner.undefined_inf`) and `base` (matmul-style taps) over the source, vetted as every engine vets it (`_vet_sql`); the source's columns."
-    frm = _source(con, src)
-    try: cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {frm}").fetchall()]
-    except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
-    require_columns(cols, MINE_COLS, name)
-    check_columns(cols, name)
-    rank = ', CAST("rank" AS BIGINT) AS "rank"' if 'rank' in cols else ''
-    text = lambda c: f"coalesce(CAST({c} AS VARCHAR), '')"     # a missing name is the empty name, as `tables.as_strings` reads it
-    con.execute(f"""CREATE VIEW src AS SELECT {text('run_id')} run_id, {text('dist')} dist, {text('site')} site, {text('role')} role,
-        CAST(step AS BIGINT) step, coalesce({_stat_sql()}, '') stat, CAST(idx AS BIGINT) idx, CAST(value AS DOUBLE) AS value{rank} FROM {frm}""")
-    cut = _vet_sql(con, 'rank' in cols, name)
+def _views(con, src, name, cut=None, frm=None):
+    "Views `sk` (typed, NaN and ±Inf as NULL: `miner.undefined_inf`) and `base` (matmul-style taps) over the source (or the FROM clause `frm`), vetted as every engine vets it (`_vet_sql`; `cut`: the steps to drop, vetted already); the source's columns."
+    cols = _src_view(con, frm or _source(con, src), name)
+    if cut is None: cut = _vet_sql(con, 'rank' in cols, name)
     steps = ['run_id', 'step'] + (['rank'] if 'rank' in cols else [])
     if cut: con.register('cut', pd.DataFrame(cut, columns=steps))
     con.execute(f"""CREATE VIEW raw AS SELECT run_id, dist, site, role, step, stat, idx,
-        CASE WHEN isnan(value) OR isinf(value) THEN NULL ELSE value END AS value{', "rank"' if rank else ''} FROM src
+        CASE WHEN isnan(value) OR isinf(value) THEN NULL ELSE value END AS value{', "rank"' if 'rank' in cols else ''} FROM src
         {f"ANTI JOIN cut USING ({', '.join(map(_qi, steps))})" if cut else ''} WHERE stat <> {_Q(MANIFEST_STAT)}""")
     _bad_steps_sql(con)
     con.execute("CREATE VIEW base AS SELECT * FROM sk WHERE role NOT IN ('attn', 'gate')")
     con.execute("CREATE MACRO nn(x) AS CASE WHEN isnan(x) THEN NULL ELSE x END")   # per-step NaN skipped, as pandas' mean does
     return cols
 
+def _src_view(con, frm, name, located=False):
+    "View `src` over the FROM clause `frm`: the sketch columns typed (keys as text, a missing name the empty one; schema-1 stats renamed), with `filename` and `file_row_number` if `located`; the source's columns."
+    try: cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {frm}").fetchall()]
+    except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
+    require_columns(cols, MINE_COLS, name)
+    check_columns([c for c in cols if not (located and c in ('filename', 'file_row_number'))], name)
+    rank = ', CAST("rank" AS BIGINT) AS "rank"' if 'rank' in cols else ''
+    text = lambda c: f"coalesce(CAST({c} AS VARCHAR), '')"     # a missing name is the empty name, as `tables.as_strings` reads it
+    con.execute(f"""CREATE VIEW src AS SELECT {text('run_id')} run_id, {text('dist')} dist, {text('site')} site, {text('role')} role,
+        CAST(step AS BIGINT) step, coalesce({_stat_sql()}, '') stat, CAST(idx AS BIGINT) idx, CAST(value AS DOUBLE) AS value{rank}
+        {', filename, file_row_number' if located else ''} FROM {frm}""")
+    return [c for c in cols if not (located and c in ('filename', 'file_row_number'))]
+
 def _qi(c): return f'"{c}"'
 
 # %% ../nbs/03a_scale.ipynb #d1a07caf
 def _vet_sql(con, rank, name):
-    "`tables.vet_steps` on the facts `tables.vet_rows` gathers, gathered by DuckDB over view `src` (per step: rows, manifests, bad counts; then whether any key repeats); the steps to drop."
+    "`tables.vet_steps` on the facts `tables.vet_rows` gathers, gathered by DuckDB over view `src` (`_vet_facts`); the steps to drop."
+    return vet_steps([_vet_facts(con, rank)], name)
+
+def _vet_facts(con, rank, steps=True, dup=True):
+    "`tables.vet_rows` over view `src`: per step its rows, manifests and what they announce (if `steps`; else None), the first key held twice (if `dup`; else None), the first bad count."
     g = 'run_id, step' + (', "rank"' if rank else '')
     keys = ', '.join(map(_qi, KEY_COLS + (['rank'] if rank else [])))
     data, counts = f"stat <> {_Q(MANIFEST_STAT)}", f"stat IN ({', '.join(map(_Q, COUNT_STATS))}) AND NOT coalesce(isfinite(value) AND value >= 0, false)"
-    s = con.execute(f"""SELECT {g}, count(*) FILTER (WHERE {data}) "rows", count(*) FILTER (WHERE NOT {data}) manifests,
-        max(value) FILTER (WHERE NOT {data}) announced, max(idx) FILTER (WHERE NOT {data}) version, count(*) FILTER (WHERE {counts}) bad
-        FROM src GROUP BY ALL""").df()
-    dup = bad = None
-    twice = con.execute(f"""SELECT EXISTS (SELECT 1 FROM src WHERE {data} GROUP BY hash({g}, site, role, stat, idx) HAVING count(*) > 1)""").fetchall()[0][0]   # one integer key a row: a group-by that spills, not count(DISTINCT)
-    if twice:     # (a hash collision is checked exactly: no duplicate then)
-        dup = con.execute(f"SELECT {keys} FROM src WHERE {data} GROUP BY ALL HAVING count(*) > 1 ORDER BY ALL LIMIT 1").fetchone()
-    if s.bad.any():
-        bad = con.execute(f"SELECT {keys}, coalesce(value, 'NaN'::DOUBLE) FROM src WHERE {counts} ORDER BY {keys} LIMIT 1").fetchone()
-    s = s.drop(columns=['bad']).astype({'version': float, 'announced': float})
-    return vet_steps([(s, dup and tuple(dup), bad and tuple(bad))], name)
+    s = twice = bad = None
+    if steps:
+        s = con.execute(f"""SELECT {g}, count(*) FILTER (WHERE {data}) "rows", count(*) FILTER (WHERE NOT {data}) manifests,
+            max(value) FILTER (WHERE NOT {data}) announced, max(idx) FILTER (WHERE NOT {data}) version, count(*) FILTER (WHERE {counts}) bad
+            FROM src GROUP BY ALL""").df()
+        if s.bad.any():
+            bad = tuple(con.execute(f"SELECT {keys}, coalesce(value, 'NaN'::DOUBLE) FROM src WHERE {counts} ORDER BY {keys} LIMIT 1").fetchone())
+        s = s.drop(columns=['bad']).astype({'version': float, 'announced': float})
+    if dup and con.execute(f"""SELECT EXISTS (SELECT 1 FROM src WHERE {data} GROUP BY hash({g}, site, role, stat, idx) HAVING count(*) > 1)""").fetchall()[0][0]:
+        twice = con.execute(f"SELECT {keys} FROM src WHERE {data} GROUP BY ALL HAVING count(*) > 1 ORDER BY ALL LIMIT 1").fetchone()   # one integer key a row: a group-by that spills, not count(DISTINCT); a hash collision is checked exactly
+    return s, twice and tuple(twice), bad
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s3
 def _stat_sql():
@@ -177,10 +194,10 @@ def _bad_steps_sql(con):
     "`steps`: miner.step_table's facts per (tap, step); view `sk`: the rows of `raw` without the (tap, step)s holding NaN/Inf or no rows (`miner.drop_nonfinite_steps`)."
     cols = ', '.join(f"max(CASE WHEN stat = {_Q(s)} THEN value END) {s}" for s in _m.STEP_STATS)
     stats = ', '.join(_Q(s) for s in _m.STEP_STATS)
-    con.execute(f"""CREATE TEMP TABLE steps AS SELECT {K}, step, {cols},
+    con.execute(f"""CREATE TABLE steps AS SELECT {K}, step, {cols},
         bool_or((stat = 'numel' AND value = 0) OR (stat = 'absmax' AND value IS NULL)) absent FROM raw
         WHERE stat IN ({stats}, 'absmax') GROUP BY ALL HAVING bool_or(stat IN ({stats}))""")   # raw reads NaN as NULL
-    con.execute(f"""CREATE TEMP TABLE bad AS SELECT {K}, step FROM steps
+    con.execute(f"""CREATE TABLE bad AS SELECT {K}, step FROM steps
         WHERE coalesce(nan_count, 0) + coalesce(inf_count, 0) > {_m.NONFINITE_MAX} OR absent""")
     con.execute(f"CREATE VIEW sk AS SELECT * FROM raw ANTI JOIN bad USING ({K}, step)")
 
@@ -203,22 +220,22 @@ def _batches(taps, # tap codes, ascending
     return list(zip(first.tolist(), [*(first[1:] - 1).tolist(), int(taps[-1])]))
 
 def _tap_batches(con)->list:
-    """Temp tables keyed by a tap code (`ctaps`: tap -> KEYS), once per connection: `chan` (the `chan_absmax` rows of view `sk`; `mm`: a
+    """Tables keyed by a tap code (`ctaps`: tap -> KEYS), once per connection (plain tables, not TEMP ones, as all of this engine's: in a Dask
+    task's database file, `_task_con`, they are stored compressed and evicted under its memory limit; in `mine_duckdb`'s in-memory database the two are the same): `chan` (the `chan_absmax` rows of view `sk`; `mm`: a
     matmul-style tap, as view `base` keeps), `hist` (the `hist` rows of `base`), `tstep` (absmax and numel per (tap, step) of `base`) and `few` (the steps with too few rows for the outlier rules),
     each sorted by tap so that a batch of taps is a range scan; the batches of about `BATCH_ROWS` chan_absmax rows."""
-    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS ctaps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap
+    con.execute(f"""CREATE TABLE IF NOT EXISTS ctaps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap
                     FROM (SELECT {K}, count(*) FILTER (WHERE stat = 'chan_absmax') n FROM sk GROUP BY ALL)""")
-    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS chan AS SELECT tap, step, idx, value, role NOT IN ('attn', 'gate') mm
+    con.execute(f"""CREATE TABLE IF NOT EXISTS chan AS SELECT tap, step, idx, value, role NOT IN ('attn', 'gate') mm
                     FROM sk JOIN ctaps USING ({K}) WHERE stat = 'chan_absmax' ORDER BY tap""")    # the sorts spill; zone maps then skip other batches' rows
-    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS hist AS SELECT tap, step, idx, greatest(value, 0) w
+    con.execute(f"""CREATE TABLE IF NOT EXISTS hist AS SELECT tap, step, idx, greatest(value, 0) w
                     FROM base JOIN ctaps USING ({K}) WHERE stat = 'hist' ORDER BY tap""")
-    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS tstep AS SELECT tap, step, max(CASE WHEN stat = 'absmax' THEN nn(value) END) absmax,
+    con.execute(f"""CREATE TABLE IF NOT EXISTS tstep AS SELECT tap, step, max(CASE WHEN stat = 'absmax' THEN nn(value) END) absmax,
                     max(CASE WHEN stat = 'numel' THEN nn(value) END) numel FROM base JOIN ctaps USING ({K}) WHERE stat IN ('absmax', 'numel') GROUP BY ALL ORDER BY tap""")
-    con.execute(f"""CREATE TEMP TABLE IF NOT EXISTS few AS SELECT tap, step FROM sk JOIN ctaps USING ({K}) WHERE stat = 'row_energy'
+    con.execute(f"""CREATE TABLE IF NOT EXISTS few AS SELECT tap, step FROM sk JOIN ctaps USING ({K}) WHERE stat = 'row_energy'
                     GROUP BY ALL HAVING count(value) < {_m.OUTLIER_MIN_ROWS}""")
     n = con.execute("SELECT tap, n FROM ctaps ORDER BY tap").fetchnumpy()
     return _batches(n['tap'], n['n'], BATCH_ROWS) or [(0, -1)]   # no taps: one empty batch, so the queries still give their columns
-
 
 # %% ../nbs/03a_scale.ipynb #7c9e71e8
 def _features_sql(con):
@@ -288,9 +305,9 @@ def _channel_findings_sql(con):
 # %% ../nbs/03a_scale.ipynb #7656abe8
 CROSS_ROWS = 2**21   # chan_absmax values of a batch of whole taps that `_cross_sql` hands to pandas at once: its memory, whatever the run's length
 
-def _cross_sql(con, seed=0):
-    "`miner.cross_table`, DuckDB reducing its inputs (stationary flags, usual-step counts) and handing the (tap, channel) × step chan_absmax series over a batch of whole taps at a time (`_cross_batch`)."
-    con.execute(f"""CREATE TEMP TABLE usual AS
+def _cross_sql(con, seed=0, cols=None)->tuple:
+    "`miner.cross_table`, DuckDB reducing its inputs (stationary flags, usual-step counts) and handing the (tap, channel) × step chan_absmax series over a batch of whole taps at a time (`_cross_batch`); and the step columns that hold a value (the matrix's columns: `cols` where given, the run's)."
+    con.execute(f"""CREATE TABLE usual AS
         WITH n AS (SELECT {K}, step, value FROM base WHERE stat = 'numel'),
         cnt AS (SELECT {K}, value, count(*) k FROM n WHERE value IS NOT NULL GROUP BY ALL),
         md AS (SELECT {K}, value usual FROM (SELECT *, row_number() OVER (PARTITION BY {K} ORDER BY k DESC, value) rn FROM cnt) WHERE rn = 1)
@@ -301,37 +318,60 @@ def _cross_sql(con, seed=0):
         FROM (SELECT {K}, stat, idx, min(value) mn, max(value) mx, count(value) valued, count(*) compared FROM base SEMI JOIN usual USING ({K}, step)
               WHERE stat IN ({stats}) GROUP BY ALL) GROUP BY ALL""", _m.KEYS).stationary
     steps = _q(con, f"SELECT {K}, count(*) steps FROM usual GROUP BY ALL", _m.KEYS).steps
-    con.execute(f"CREATE TEMP TABLE taps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap FROM (SELECT DISTINCT {K} FROM usual)")
-    con.execute(f"""CREATE TEMP TABLE ca AS SELECT tap, idx, row_number() OVER (PARTITION BY tap, idx ORDER BY step) - 1 t, value
+    con.execute(f"CREATE TABLE taps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap FROM (SELECT DISTINCT {K} FROM usual)")
+    con.execute(f"""CREATE TABLE ca AS SELECT tap, idx, row_number() OVER (PARTITION BY tap, idx ORDER BY step) - 1 t, value
         FROM base SEMI JOIN usual USING ({K}, step) JOIN taps USING ({K}) WHERE stat = 'chan_absmax'""")   # t: a channel's t-th usual step (SEMI: over an inner join's rows DuckDB ran out of memory at 10⁸ rows)
-    cols = [t for (t,) in con.execute("SELECT DISTINCT t FROM ca WHERE value IS NOT NULL ORDER BY t").fetchall()]   # as pivot_table drops all-NaN columns
+    own = [t for (t,) in con.execute("SELECT DISTINCT t FROM ca WHERE value IS NOT NULL ORDER BY t").fetchall()]   # as pivot_table drops all-NaN columns
+    cols = own if cols is None else cols
     keys = _q(con, f"SELECT tap, {K} FROM taps ORDER BY tap", 'tap')
     n = con.execute("SELECT tap, count(*) n FROM ca GROUP BY tap ORDER BY tap").fetchnumpy()
     bounds = _batches(n['tap'], n['n'], CROSS_ROWS)
-    rows = [_cross_batch(con.execute(f"SELECT tap, idx, t, value FROM ca WHERE tap BETWEEN {a} AND {b}").fetchnumpy(), keys, cols, stationary, steps, seed)
-            for a, b in bounds]
+    con.register('ccols', pd.DataFrame({'t': np.asarray(cols, np.int64), 'pos': np.arange(len(cols), dtype=np.int32)}))
+    rows = [_cross_batch(con, a, b, keys, cols, stationary, steps, seed) for a, b in bounds]
     rows = [r for r in rows if len(r)]
     rest = stationary[~stationary.index.isin(pd.concat(rows).index)] if rows else stationary      # taps without chan_absmax rows
     none = pd.DataFrame(index=pd.MultiIndex.from_arrays([[]] * (len(_m.KEYS) + 1), names=_m.KEYS + ['idx']), dtype=float)
-    return pd.concat(rows + [_m.cross_table(rest, steps.reindex(rest.index), none, seed)]).reindex(stationary.index)
+    return pd.concat(rows + [_m.cross_table(rest, steps.reindex(rest.index), none, seed)]).reindex(stationary.index), own
 
-def _cross_batch(a:dict, # tap, idx, t, value arrays of some whole taps' usual chan_absmax rows
+def _cross_cells(con, a, b)->tuple:
+    "The cells of the (tap, channel) × step matrix of taps `a`..`b` (row r, column pos, value arrays) and its rows (tap, idx arrays, in order): rows numbered by a join, not a sort of the cells."
+    taps = f"WHERE tap BETWEEN {a} AND {b}"     # (joined with ccols: a step column all NaN in the run is not one)
+    con.execute(f"""CREATE OR REPLACE TABLE pr AS SELECT tap, idx, (row_number() OVER (ORDER BY tap, idx) - 1)::INTEGER r
+                    FROM (SELECT DISTINCT tap, idx FROM ca JOIN ccols USING (t) {taps})""")
+    return (con.execute(f"SELECT r, pos, value FROM ca JOIN ccols USING (t) JOIN pr USING (tap, idx) {taps}").fetchnumpy(),
+            con.execute("SELECT tap, idx FROM pr ORDER BY r").fetchnumpy())
+
+def _cross_batch(con, lo:int, hi:int, # the taps `lo`..`hi` of view `ca` (`_cross_sql`)
                  keys:pd.DataFrame, cols:list, stationary:pd.Series, steps:pd.Series, seed:int):
-    "`miner.cross_table`'s rows of the taps in `a`: their (tap, channel) × step matrix (`miner.step_matrix`), widened to the run's step columns `cols`."
-    tap, idx, t = (np.asarray(a[c], np.int64) for c in ('tap', 'idx', 't'))
-    v = np.ma.filled(np.ma.asarray(a['value'], float), np.nan)
-    pairs, row = np.unique(np.stack([tap, idx]), axis=1, return_inverse=True)
-    V = np.full((pairs.shape[1], len(cols)), np.nan)
-    at = np.searchsorted(cols, t); ok = (at < len(cols)) & (np.asarray(cols)[np.minimum(at, len(cols) - 1)] == t)   # a column all NaN in the run: not one
-    V[row.reshape(-1)[ok], at[ok]] = v[ok]
-    index = pd.MultiIndex.from_frame(keys.loc[pairs[0]].reset_index(drop=True).assign(idx=pairs[1]))
-    w = pd.DataFrame(V, index=index, columns=cols).sort_index()
-    w = w[w.notna().any(axis=1)]
+    "`miner.cross_table`'s rows of some whole taps: their (tap, channel) × step matrix (`miner.step_matrix`), widened to the run's step columns `cols`."
+    a, pairs = _cross_cells(con, lo, hi)
+    V = np.full((len(pairs['tap']), len(cols)), np.nan)
+    V[a['r'], a['pos']] = np.ma.filled(np.ma.asarray(a['value'], float), np.nan)
+    del a                               # the cells, once in the matrix: a long run's largest tap holds millions
+    index = pd.MultiIndex.from_frame(keys.loc[pairs['tap']].reset_index(drop=True).assign(idx=pairs['idx']))
+    w = pd.DataFrame(V, index=index, columns=cols); del V
+    if not w.index.is_monotonic_increasing: w = w.sort_index()     # (tap codes number the taps in key order: sorted already, no copy)
+    keep = w.notna().any(axis=1)
+    if not keep.all(): w = w[keep]
     if not len(w): return w.iloc[:0, :0]
     s = stationary[stationary.index.isin(w.index.droplevel('idx'))]
     return _m.cross_table(s, steps.reindex(s.index), w, seed)
 
 # %% ../nbs/03a_scale.ipynb #d14573e3
+def _duck_tables(con, seed=0, cols=None, cross_only=False)->tuple:
+    "The pooled tables of `partials.findings_from_tables` over the views of `_views`, and the step columns its taps' cross-step matrix holds (`_cross_sql`; `cols`: the run's, where the views hold some of its taps); with `cross_only`, that table alone."
+    t = dict(dead=None, share=None, infer=None, features=None, cross=None, steps=None, probs=None)
+    if not cross_only: t.update(_channel_findings_sql(con))
+    own = []
+    if con.execute("SELECT count(*) FROM (SELECT 1 FROM base LIMIT 1)").fetchone()[0]:
+        if not cross_only: t['features'] = _features_sql(con)
+        con.execute("DROP TABLE IF EXISTS chan; DROP TABLE IF EXISTS hist")   # done with: their memory (or spill) is the cross-step's
+        t['cross'], own = _cross_sql(con, seed, cols)
+    if not cross_only:
+        t['steps'] = _m.step_frame(_q(con, "SELECT * FROM steps", _m.KEYS + ['step']))
+        t['probs'] = con.execute("SELECT run_id, site, role, step, stat, value FROM sk WHERE stat = 'numel' AND role IN ('attn', 'lhs')").df()
+    return t, own
+
 def mine_duckdb(sketches, # a Parquet dataset directory, a .parquet / .csv sketches file, or a DataFrame
                 memory_limit:str=None, # DuckDB's memory cap, e.g. '512MB' (default: DuckDB's, 80% of RAM)
                 threads:int=None, # DuckDB worker threads (default: all cores)
@@ -348,14 +388,7 @@ def mine_duckdb(sketches, # a Parquet dataset directory, a .parquet / .csv sketc
             clash = con.execute('SELECT run_id, step FROM sk GROUP BY run_id, step HAVING count(DISTINCT "rank") > 1 LIMIT 1').fetchall()
             if clash: raise InputError(f"run {clash[0][0]!r} step {clash[0][1]} was recorded by more than one rank; shards must record "
                                        "global step indices (scale.record_shard does) so that the ranks' steps do not collide")
-        t = dict(_channel_findings_sql(con), features=None, cross=None)
-        if con.execute("SELECT count(*) FROM (SELECT 1 FROM base LIMIT 1)").fetchone()[0]:
-            t['features'] = _features_sql(con)
-            con.execute("DROP TABLE IF EXISTS chan; DROP TABLE IF EXISTS hist")   # done with: their memory (or spill) is the cross-step's
-            t['cross'] = _cross_sql(con)
-        t['steps'] = _m.step_frame(_q(con, "SELECT * FROM steps", _m.KEYS + ['step']))
-        t['probs'] = con.execute("SELECT run_id, site, role, step, stat, value FROM sk WHERE stat = 'numel' AND role IN ('attn', 'lhs')").df()
-        return _p.findings_from_tables(**t)
+        return _p.findings_from_tables(**_duck_tables(con)[0])
     except duckdb.Error as e: raise InputError(f"{name}: DuckDB could not mine it: {str(e).splitlines()[0]}") from None
     finally: con.close()
 
@@ -395,55 +428,36 @@ def _dask():
         raise ImportError(f"the Dask engine needs dask[dataframe] and distributed: pip install 'opscope[dask]' ({e})") from None
     return dask, dd, distributed
 
-PART_ROWS = 2**17    # rows per partition of a local dataset, about: whole row groups (whole taps, `recorder.ROW_GROUP_ROWS`), whatever a step holds
 
 # %% ../nbs/03a_scale.ipynb #4fe7325b-s1
-def _row_groups(files, # the part files of a local dataset
-                workers:int, # at least 2 × workers partitions, where the row groups allow
-               )->list:
-    "The row groups of `files`, neighbours grouped into partitions of about `PART_ROWS` rows: one `[(file, [row group, ...]), ...]` per partition."
-    import pyarrow.parquet as pq
-    units = [(str(f), i, m.row_group(i).num_rows) for f in files for m in [pq.read_metadata(f)] for i in range(m.num_row_groups)]
-    rows = np.array([u[2] for u in units], dtype=float)
-    n = min(len(units), max(2 * workers, int(-(-rows.sum() // PART_ROWS))))
-    part = np.minimum((np.cumsum(rows) - rows) * n // max(rows.sum(), 1), n - 1).astype(int)   # contiguous, balanced by rows; never an empty group
-    groups = {}
-    for (f, i, _), k in zip(units, part): groups.setdefault(k, {}).setdefault(f, []).append(i)
-    return [list(g.items()) for g in groups.values()]
-
-def _read_groups(groups, # `[(part file, [row group, ...]), ...]` of one hive-partitioned dataset
-                 base, # the dataset's directory
-                 types:dict, # partition key -> Arrow type, e.g. {'run_id': 'string', 'rank': 'int64'}
-                )->pd.DataFrame:
-    "The rows of some row groups of a dataset's part files, its partition keys (from the folder names) as columns: one Dask partition."
+def _group_table(f, rgs, base, types, columns=None):
+    "Row groups `rgs` of part file `f` as an Arrow table (its `columns` only, where given and present), with the partition keys of its folder names."
     import pyarrow as pa, pyarrow.parquet as pq
     from urllib.parse import unquote
-    def table(f, rgs):
-        t = pq.ParquetFile(f).read_row_groups(rgs)
-        keys = dict(s.split('=', 1) for s in Path(f).relative_to(base).parts[:-1] if '=' in s)
-        for k, ty in types.items(): t = t.append_column(k, pa.repeat(pa.scalar(unquote(keys[k])).cast(ty), len(t)))
-        return t
-    return pa.concat_tables([table(f, rgs) for f, rgs in groups], promote_options='permissive').to_pandas()
+    pf = pq.ParquetFile(f)
+    t = pf.read_row_groups(rgs, columns=None if columns is None else [c for c in pf.schema_arrow.names if c in columns and c not in types])
+    keys = dict(s.split('=', 1) for s in Path(f).relative_to(base).parts[:-1] if '=' in s)
+    for k, ty in types.items(): t = t.append_column(k, pa.repeat(pa.scalar(unquote(keys[k])).cast(ty), len(t)))
+    return t
+
+def _local_parquet(src):
+    "`(part files, dataset directory, name)` of a local Parquet dataset directory or .parquet file; None for anything else (a DataFrame, a CSV file, a URL)."
+    if isinstance(src, pd.DataFrame) or '://' in str(src): return None
+    p = Path(src)
+    if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
+    if p.is_dir():
+        files = dataset_files(p)
+        if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
+        return files, p, str(src)
+    return ([p], p.parent, str(src)) if p.suffix.lower() == '.parquet' else None
 
 def _read_dask(dd, src, storage_options=None, workers=1):
-    "Sketches as a dask DataFrame with typed columns (keys as strings, a missing name as ''); a local dataset in partitions of whole row groups."
+    "Sketches as a dask DataFrame with typed columns (keys as strings, a missing name as ''): a DataFrame, a local CSV file, or a Parquet dataset at a URL (a local one is mined a batch of taps per task: `_mine_batched`)."
     if isinstance(src, pd.DataFrame): d, name = dd.from_pandas(src, npartitions=max(1, workers), sort=False), 'DataFrame'
     else:
-        name = s = str(src); local = '://' not in s
-        if local:
-            p = Path(s)
-            if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
-            files = dataset_files(p) if p.is_dir() else [p]
-            if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
-            if p.suffix.lower() == '.csv': return _read_dask(dd, read_sketches(p), workers=workers)
-        try:
-            if local and p.is_dir():     # neighbouring row groups (whole taps, as the recorder writes them) grouped into partitions of ~PART_ROWS rows
-                keys = [s.split('=', 1)[0] for s in files[0].relative_to(p).parts[:-1] if '=' in s]
-                types = {k: PARTITION_TYPES.get(k, 'string') for k in keys}
-                groups = _row_groups(files, workers)
-                meta = _read_groups([(groups[0][0][0], [])], str(p), types)   # read here (no rows): inferred, it would be a task, and wait on a paused cluster
-                d = dd.from_map(_read_groups, groups, base=str(p), types=types, meta=meta)
-            else: d = dd.read_parquet(s, storage_options=storage_options)
+        name = s = str(src)
+        if '://' not in s: return _read_dask(dd, read_sketches(Path(s)), workers=workers)    # a local CSV file, validated by read_sketches
+        try: d = dd.read_parquet(s, storage_options=storage_options)
         except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
     require_columns(d.columns, MINE_COLS, name)
     check_columns(d.columns, name)
@@ -596,6 +610,128 @@ def _dask_cross(base, usual, run, seed):
     none = pd.DataFrame(index=pd.MultiIndex.from_arrays([[]] * (len(K) + 1), names=K + ['idx']), dtype=float)
     return pd.concat(rows + [_m.cross_table(rest, steps.reindex(rest.index), none, seed)]).reindex(same.index)
 
+# %% ../nbs/03a_scale.ipynb #5c6edf2b-s2
+TASK_ROWS = 2**21    # rows one Dask task of a local Parquet dataset mines with DuckDB: whole taps, every step of them (a tap larger is a task of its own)
+VET_ROWS = 2**24     # rows of part files one vetting task reads, about
+TASK_SHARE = 8      # a task's DuckDB gets 1 / TASK_SHARE of its worker's memory limit: the rest is the worker itself (about 210 MiB once it has imported pandas, pyarrow and duckdb), Arrow's reads and pandas' results
+
+def _task_con():
+    "A DuckDB connection for one task on a Dask worker, its database file and its memory limit (bytes; None off a worker): one thread, 1 / `TASK_SHARE` of the worker's memory limit, its tables stored compressed in a file in the worker's local directory and spilling there."
+    import tempfile
+    try:
+        from distributed import get_worker
+        w = get_worker(); lim, tmp = w.memory_manager.memory_limit, Path(w.local_directory)
+    except (ImportError, ValueError): lim, tmp = None, Path(tempfile.gettempdir())     # not on a worker (a test calling it here)
+    fd, db = tempfile.mkstemp(suffix='.duckdb', prefix='opscope-', dir=tmp); os.close(fd); os.unlink(db)
+    mem = max(lim // TASK_SHARE, 2**26) if lim else None
+    return _connect(mem and f"{mem // 2**20}MB", 1, tmp / 'duckdb.tmp', db), Path(db), mem
+
+@contextmanager
+def _task_db(name:str):
+    "`_task_con`'s connection, closed and its files removed after; DuckDB's errors as one line naming the dataset `name` (out of memory: a `ClusterError` saying what to set)."
+    import duckdb
+    con, db, mem = _task_con()
+    try: yield con
+    except duckdb.OutOfMemoryException as e:
+        got = f"the {mem / 2**20:,.0f} MiB a task gets on a worker (1/{TASK_SHARE} of its memory limit)" if mem else "memory on a worker"
+        raise ClusterError(f"{name}: DuckDB ran out of {got}: {str(e).splitlines()[0]}; {_advice(mem * TASK_SHARE if mem else 0)}") from None
+    except duckdb.Error as e: raise InputError(f"{name}: DuckDB could not mine it on a worker: {str(e).splitlines()[0]}") from None
+    finally:
+        con.close()
+        for f in (db, db.with_name(db.name + '.wal')): f.unlink(missing_ok=True)
+
+def _file_parts(files, workers:int)->list:
+    "`files` in consecutive lists of about `VET_ROWS` rows (by their metadata), at least 2 × `workers` of them where the files allow."
+    import pyarrow.parquet as pq
+    rows = np.array([pq.read_metadata(f).num_rows for f in files], dtype=float)
+    n = min(len(files), max(2 * workers, int(-(-rows.sum() // VET_ROWS))))
+    part = np.minimum((np.cumsum(rows) - rows) * n // max(rows.sum(), 1), n - 1).astype(int)
+    return [[str(f) for f, k in zip(files, part) if k == i] for i in sorted(set(part))]
+
+def _vet_part(files, root, name):
+    "A task: the vetting facts of some part files (`_vet_facts`, but for the duplicate check, which `_batch_tables` makes a batch of whole taps at a time), where each tap's rows lie (rows, first and last row number per file), and the files' columns."
+    with _task_db(name) as con:
+        cols = _src_view(con, _parquet(files, root, located=True), name, located=True)
+        s, _, bad = _vet_facts(con, 'rank' in cols, dup=False)
+        loc = con.execute(f"""SELECT {K}, filename, min(file_row_number) lo, max(file_row_number) hi, count(*) n FROM src
+                              WHERE stat <> {_Q(MANIFEST_STAT)} GROUP BY ALL""").df()
+        return s, bad, loc, cols
+
+def _tap_tasks(loc:pd.DataFrame, # `_vet_part`'s locations, all files
+               rows:int=None, # rows a batch holds, about (default `TASK_ROWS`)
+              )->list:
+    "Batches of whole taps of about `rows` rows, a tap's every step in one: `[(taps (KEYS), [(file, [row group, ...]), ...]), ...]`. Taps that share run, site and role share a batch, so that a key held twice meets itself."
+    import pyarrow.parquet as pq
+    if not len(loc): return []
+    loc = loc.sort_values(['run_id', 'site', 'role', 'dist'], kind='stable', ignore_index=True)
+    unit = loc.groupby(['run_id', 'site', 'role'], sort=False).ngroup().to_numpy()
+    n = np.bincount(unit, weights=loc.n.to_numpy()).astype(np.int64)
+    batch = np.searchsorted([a for a, _ in _batches(np.arange(len(n)), n, rows or TASK_ROWS)], unit, side='right') - 1
+    ends = {f: np.cumsum([m.row_group(i).num_rows for i in range(m.num_row_groups)]) for f in loc.filename.unique() for m in [pq.read_metadata(f)]}
+    rg = lambda f, r: np.searchsorted(ends[f], r, side='right')    # the row group holding row number r of file f
+    out = []
+    for b in range(batch.max() + 1):
+        l = loc[batch == b]
+        groups = {f: sorted({g for a, z in zip(x.lo, x.hi) for g in range(rg(f, a), rg(f, z) + 1)}) for f, x in l.groupby('filename', sort=True)}
+        out.append((l[_m.KEYS].drop_duplicates(ignore_index=True), list(groups.items())))
+    return out
+
+def _batch_tables(taps:pd.DataFrame, # the batch's taps (KEYS)
+                  groups:list, # the row groups that hold them: `[(file, [row group, ...]), ...]`
+                  root, types:dict, # the dataset's directory and partition key types (`_group_table`)
+                  rank:bool, cut:list, name:str, # whether the rows have a rank; the steps vetting drops; the dataset's name
+                  seed:int=0, cols=None, cross_only=False, # as `_duck_tables` takes them
+                  dup_only=False, # only look for a key held twice
+                  stats=(), # also these stats' rows (`mine_dask(rows=)`)
+                 )->dict:
+    "A task: the rows of some whole taps, every step of them, read from their row groups into DuckDB on the worker and reduced there to `_duck_tables`' tables (`tables`, with `cols`, and `rows`: the rows of `stats`); or the first key held twice (`dup`), and nothing else."
+    with _task_db(name) as con:
+        keys = ['step', 'stat', 'idx', 'value'] + (['rank'] if rank else [])
+        con.register('btaps', taps.assign(tap=np.arange(len(taps), dtype=np.int32)))
+        con.execute(f"CREATE TABLE b (tap INTEGER, step BIGINT, stat VARCHAR, idx BIGINT, value DOUBLE{', rank BIGINT' if rank else ''})")
+        on = ' AND '.join(f"coalesce(CAST(c.{k} AS VARCHAR), '') = t.{k}" for k in _m.KEYS)
+        for f, rgs in groups:          # a file's row groups at a time: only the batch's rows stay, coded by tap
+            con.register('chunk', _group_table(f, rgs, root, types, MINE_COLS + ['rank']))
+            con.execute(f"INSERT INTO b SELECT t.tap, {', '.join('c.' + _qi(k) for k in keys)} FROM chunk c JOIN btaps t ON {on}")
+            con.unregister('chunk')
+        frm = f"(SELECT {K}, {', '.join(_qi(k) for k in keys)} FROM b JOIN btaps USING (tap))"
+        _views(con, None, name, cut=cut, frm=frm)
+        dup = None if cross_only else _vet_facts(con, rank, steps=False)[1]
+        if dup or dup_only: return dict(dup=dup)
+        t, own = _duck_tables(con, seed, cols, cross_only)
+        got = con.execute(f"SELECT * FROM raw WHERE stat IN ({', '.join(map(_Q, stats))})").df() if stats else None
+        return dict(dup=None, tables=t, cols=own, rows=got)
+
+def _mine_batched(files, root, name, run, delayed, workers, seed=0, stats=()):
+    "`mine_dask` of a local Parquet dataset: vetted file by file (`_vet_part`), then mined a batch of whole taps per task by DuckDB on the workers (`_batch_tables`); only the pooled tables come back."
+    keys = [s.split('=', 1)[0] for s in Path(files[0]).relative_to(root).parts[:-1] if '=' in s]
+    types = {k: PARTITION_TYPES.get(k, 'string') for k in keys}
+    facts = run(*[delayed(_vet_part)(fs, root, name) for fs in _file_parts(files, workers)])
+    rank = 'rank' in facts[0][3]
+    vets = _merged_vets([(s, None, bad) for s, bad, _, _ in facts])
+    tasks = _tap_tasks(pd.concat([f[2] for f in facts], ignore_index=True))
+    batch = lambda **k: [delayed(_batch_tables)(taps, g, root, types, rank, cut, name, seed, stats=stats, **k) for taps, g in tasks]
+    def dups(out):
+        dup = min((o['dup'] for o in out if o['dup'] is not None), default=None)
+        if dup is not None: vet_steps([(vets[0][0], dup, vets[0][2])], name)     # raises, as `vet_steps` would have with it
+    try: cut = vet_steps(vets, name)
+    except InputError:
+        cut = []
+        dups(run(*batch(dup_only=True)))     # a key held twice explains the failure first, as `vet_steps` orders them
+        raise
+    if not tasks: return pd.DataFrame(columns=_m.FINDINGS), pd.DataFrame(columns=MINE_COLS)
+    out = run(*batch())
+    dups(out)
+    cols = sorted(set().union(*(o['cols'] for o in out)))
+    redo = [i for i, o in enumerate(out) if o['tables']['cross'] is not None and o['cols'] != cols]     # a batch whose taps miss some of the run's step columns
+    if redo:
+        again = run(*[b for i, b in enumerate(batch(cols=cols, cross_only=True)) if i in redo])
+        for i, o in zip(redo, again): out[i]['tables']['cross'] = o['tables']['cross']
+    t = {k: [o['tables'][k] for o in out if o['tables'][k] is not None] for k in out[0]['tables']}
+    t = {k: pd.concat(v, ignore_index=k not in ('features', 'cross', 'steps')) if v else None for k, v in t.items()}
+    found = _p.findings_from_tables(**t, seed=seed)
+    return found, (pd.concat([o['rows'] for o in out], ignore_index=True) if stats else None)
+
 # %% ../nbs/03a_scale.ipynb #8c1e5a01
 class ClusterError(InputError, RuntimeError):
     "The Dask cluster cannot finish the mining (a worker stuck paused at its memory limit, a worker lost, no worker): one line, an `InputError` and a `RuntimeError`."
@@ -683,7 +819,7 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
               seed:int=0, # seeds `miner.cross_step`'s shuffles
               patience:float=PATIENCE, # seconds a worker may stay paused at its memory limit (or the cluster have no worker) before the call fails
              )->pd.DataFrame:
-    "`miner.mine`'s findings, every reduction a distributed group-by on a Dask cluster; only pooled tables come back."
+    "`miner.mine`'s findings, reduced on a Dask cluster (a local Parquet dataset: a batch of whole taps per task, by DuckDB on the workers; anything else: distributed group-bys); only pooled tables come back."
     dask, dd, distributed = _dask()
     cluster = None
     if client is None:
@@ -693,6 +829,11 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
     try:
         watch = _Watch(c, patience)
         run = lambda *xs: _run(c, xs, watch, distributed)
+        local = _local_parquet(sketches)
+        if local:       # a local Parquet dataset: a batch of whole taps per task, mined by DuckDB where it runs
+            found, got = _mine_batched(*local, run, dask.delayed, len(watch.workers) or 1, seed, tuple(rows))
+            if rows: found.attrs['rows'] = got
+            return found
         sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
         sk, n, vets, read, taps = _whole_taps(sk, run, dask.delayed)
         name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)

@@ -226,28 +226,30 @@ def test_recorder_cuts_row_groups_between_taps(sketches, tmp_path, monkeypatch):
     assert R._tap_groups(shuffled[shuffled.step == 0], 100) == [int((shuffled.step == 0).sum())]
 
 
-def test_dask_partitions_of_row_groups_same_findings(sketches, cluster, tmp_path, monkeypatch):
-    "Partitions of a few row groups (whole taps, steps split over partitions) mine as pandas does; row groups that split a tap are shuffled first."
+def test_dask_batches_of_whole_taps_same_findings(sketches, cluster, tmp_path, monkeypatch):
+    "A local dataset is mined a batch of whole taps per task, by DuckDB on the worker: small batches, and row groups that split taps (read by each batch with a tap in them), mine as pandas does; a batch missing some of the run's step columns makes its cross-step table again with them."
     import opscope.recorder as R, opscope.scale as S
     df, _ = sketches
     ref = mine(df)
     monkeypatch.setattr(R, 'ROW_GROUP_ROWS', 2000)
     ds = _to_dataset(df, tmp_path / 'ds')
-    monkeypatch.setattr(S, 'PART_ROWS', 3000)
-    groups = S._row_groups(sorted(ds.rglob('part-*.parquet')), 2)
-    assert len(groups) > len(list(ds.rglob('part-*.parquet')))             # a step over several partitions
-    shuffles = []
-    real = S._whole_taps
-    def whole(sk, run, dl):
-        out = real(sk, run, dl); shuffles.append(out[0] is not sk); return out
-    monkeypatch.setattr(S, '_whole_taps', whole)
+    monkeypatch.setattr(S, 'TASK_ROWS', 3000)
+    tasks, runs = [], []
+    real_tasks, real_run = S._tap_tasks, S._run
+    monkeypatch.setattr(S, '_tap_tasks', lambda loc: tasks.append(real_tasks(loc)) or tasks[-1])
+    monkeypatch.setattr(S, '_run', lambda c, xs, w, d: runs.append(len(xs)) or real_run(c, xs, w, d))
     assert same_findings(ref, mine_dask(ds, cluster))
-    cut = tmp_path / 'cut'                                                  # row groups of 700 rows whatever the taps: a tap split over partitions
+    taps = pd.concat([t for t, _ in tasks[0]], ignore_index=True)
+    assert len(tasks[0]) > 10 and not taps.duplicated().any() and len(taps) == len(df.drop_duplicates(['run_id', 'dist', 'site', 'role']))   # each tap in one batch
+    for t, groups in tasks[0]:       # a batch reads only row groups that hold one of its taps
+        mine_ = set(zip(t.site, t.role))
+        for f, rgs in groups: assert all(mine_ & {(s, r) for _, s, r in g} for g in [_taps_per_row_group(f)[i] for i in rgs])
+    assert len(runs) == 3 and runs[2] > 0         # vetting, batches, and cross-step tables made again for some batches
+    cut = tmp_path / 'cut'                                                  # row groups of 700 rows whatever the taps: a tap split over row groups
     for f in ds.rglob('part-*.parquet'):
         (cut / f.parent.relative_to(ds)).mkdir(parents=True, exist_ok=True)
         pq.write_table(pq.read_table(f), cut / f.relative_to(ds), row_group_size=700)
     assert same_findings(ref, mine_dask(cut, cluster))
-    assert shuffles == [False, True]                                        # aligned row groups are not shuffled; the cut ones are
 
 
 def test_step_columns_from_counts_or_none():
@@ -269,3 +271,16 @@ def test_duckdb_in_batches_of_taps(sketches, monkeypatch):
     monkeypatch.setattr(S, 'BATCH_ROWS', 1)
     assert same_findings(ref, mine_duckdb(ds))
     assert S._batches([0, 1, 2, 3], [5, 5, 0, 9], 10) == [(0, 1), (2, 3)] and S._batches([], [], 10) == []
+
+
+def test_task_out_of_memory_ends_in_one_line(sketches, tmp_path, monkeypatch):
+    "A batch task whose DuckDB runs out of its share of the worker's memory: one ClusterError line saying what to set; its database files removed."
+    import dask, opscope.scale as S
+    _, ds = sketches
+    db = tmp_path / 'task.duckdb'
+    monkeypatch.setattr(S, '_task_con', lambda: (S._connect('2MB', 1, tmp_path / 'spill', db), db, 2**21))
+    with pytest.raises(ClusterError) as e:
+        S._mine_batched(sorted(ds.rglob('part-*.parquet')), ds, 'ds', lambda *xs: dask.compute(*xs, scheduler='sync'), dask.delayed, 1)
+    msg = str(e.value)
+    assert '\n' not in msg and msg.startswith('ds: DuckDB ran out of the 2 MiB a task gets on a worker (1/8 of its memory limit)'), msg
+    assert 'give each worker more than 16 MiB memory' in msg and not db.exists(), msg
