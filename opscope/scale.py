@@ -441,15 +441,15 @@ def _group_table(f, rgs, base, types, columns=None):
     return t
 
 def _local_parquet(src):
-    "`(part files, dataset directory, name)` of a local Parquet dataset directory or .parquet file; None for anything else (a DataFrame, a CSV file, a URL)."
+    "`(part files, dataset directory, name)` of a local Parquet dataset directory or .parquet file, the paths absolute (a worker's working directory need not be the client's); None for anything else (a DataFrame, a CSV file, a URL)."
     if isinstance(src, pd.DataFrame) or '://' in str(src): return None
     p = Path(src)
     if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
     if p.is_dir():
         files = dataset_files(p)
         if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
-        return files, p, str(src)
-    return ([p], p.parent, str(src)) if p.suffix.lower() == '.parquet' else None
+        return [f.absolute() for f in files], p.absolute(), str(src)
+    return ([p.absolute()], p.absolute().parent, str(src)) if p.suffix.lower() == '.parquet' else None
 
 def _read_dask(dd, src, storage_options=None, workers=1):
     "Sketches as a dask DataFrame with typed columns (keys as strings, a missing name as ''): a DataFrame, a local CSV file, or a Parquet dataset at a URL (a local one is mined a batch of taps per task: `_mine_batched`)."
