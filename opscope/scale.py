@@ -613,28 +613,28 @@ def _dask_cross(base, usual, run, seed):
 # %% ../nbs/03a_scale.ipynb #5c6edf2b-s2
 TASK_ROWS = 2**21    # rows one Dask task of a local Parquet dataset mines with DuckDB: whole taps, every step of them (a tap larger is a task of its own)
 VET_ROWS = 2**24     # rows of part files one vetting task reads, about
-TASK_SHARE = 8      # a task's DuckDB gets 1 / TASK_SHARE of its worker's memory limit: the rest is the worker itself (about 210 MiB once it has imported pandas, pyarrow and duckdb), Arrow's reads and pandas' results
+TASK_SHARE = 8      # a task's DuckDB gets 1 / TASK_SHARE of its worker's memory limit, over the worker's threads (each may run a task): the rest is the worker itself (about 210 MiB once it has imported pandas, pyarrow and duckdb), Arrow's reads and pandas' results
 
 def _task_con():
-    "A DuckDB connection for one task on a Dask worker, its database file and its memory limit (bytes; None off a worker): one thread, 1 / `TASK_SHARE` of the worker's memory limit, its tables stored compressed in a file in the worker's local directory and spilling there."
+    "A DuckDB connection for one task on a Dask worker, its database file, its memory limit and the worker's (bytes; None off a worker): one thread, 1 / `TASK_SHARE` of the worker's memory limit over its threads, its tables stored compressed in a file in the worker's local directory and spilling there."
     import tempfile
     try:
         from distributed import get_worker
-        w = get_worker(); lim, tmp = w.memory_manager.memory_limit, Path(w.local_directory)
-    except (ImportError, ValueError): lim, tmp = None, Path(tempfile.gettempdir())     # not on a worker (a test calling it here)
+        w = get_worker(); lim, tmp, n = w.memory_manager.memory_limit, Path(w.local_directory), max(w.state.nthreads, 1)
+    except (ImportError, ValueError): lim, tmp, n = None, Path(tempfile.gettempdir()), 1     # not on a worker (a test calling it here)
     fd, db = tempfile.mkstemp(suffix='.duckdb', prefix='opscope-', dir=tmp); os.close(fd); os.unlink(db)
-    mem = max(lim // TASK_SHARE, 2**26) if lim else None
-    return _connect(mem and f"{mem // 2**20}MB", 1, tmp / 'duckdb.tmp', db), Path(db), mem
+    mem = max(lim // (TASK_SHARE * n), 2**26) if lim else None
+    return _connect(mem and f"{mem // 2**20}MB", 1, tmp / 'duckdb.tmp', db), Path(db), mem, lim
 
 @contextmanager
 def _task_db(name:str):
     "`_task_con`'s connection, closed and its files removed after; DuckDB's errors as one line naming the dataset `name` (out of memory: a `ClusterError` saying what to set)."
     import duckdb
-    con, db, mem = _task_con()
+    con, db, mem, lim = _task_con()
     try: yield con
     except duckdb.OutOfMemoryException as e:
-        got = f"the {mem / 2**20:,.0f} MiB a task gets on a worker (1/{TASK_SHARE} of its memory limit)" if mem else "memory on a worker"
-        raise ClusterError(f"{name}: DuckDB ran out of {got}: {str(e).splitlines()[0]}; {_advice(mem * TASK_SHARE if mem else 0)}") from None
+        got = f"the {mem / 2**20:,.0f} MiB a task gets on a worker (1/{TASK_SHARE} of its memory limit, over its threads)" if mem else "memory on a worker"
+        raise ClusterError(f"{name}: DuckDB ran out of {got}: {str(e).splitlines()[0]}; {_advice(lim or 0)}") from None
     except duckdb.Error as e: raise InputError(f"{name}: DuckDB could not mine it on a worker: {str(e).splitlines()[0]}") from None
     finally:
         con.close()

@@ -278,9 +278,9 @@ def test_task_out_of_memory_ends_in_one_line(sketches, tmp_path, monkeypatch):
     import dask, opscope.scale as S
     _, ds = sketches
     db = tmp_path / 'task.duckdb'
-    monkeypatch.setattr(S, '_task_con', lambda: (S._connect('2MB', 1, tmp_path / 'spill', db), db, 2**21))
+    monkeypatch.setattr(S, '_task_con', lambda: (S._connect('2MB', 1, tmp_path / 'spill', db), db, 2**21, 2**24))
     with pytest.raises(ClusterError) as e:
         S._mine_batched(sorted(ds.rglob('part-*.parquet')), ds, 'ds', lambda *xs: dask.compute(*xs, scheduler='sync'), dask.delayed, 1)
     msg = str(e.value)
-    assert '\n' not in msg and msg.startswith('ds: DuckDB ran out of the 2 MiB a task gets on a worker (1/8 of its memory limit)'), msg
+    assert '\n' not in msg and msg.startswith('ds: DuckDB ran out of the 2 MiB a task gets on a worker (1/8 of its memory limit, over its threads)'), msg
     assert 'give each worker more than 16 MiB memory' in msg and not db.exists(), msg
