@@ -112,21 +112,30 @@ def _source(con, src):
     "Register `src` (dataset directory, .parquet file, .csv file or DataFrame) and return its FROM clause."
     if isinstance(src, pd.DataFrame):
         con.register('frame', src); return 'frame'
-    p = Path(src)
+    files = _parquet_files(Path(src))
+    if files: return _parquet(*files)
+    con.register('frame', read_sketches(Path(src))); return 'frame'     # CSV: validated by read_sketches, then the same SQL
+
+def _parquet_files(p:Path):
+    "`(part files, dataset directory)` of a local Parquet dataset directory or .parquet file, the paths absolute (a Dask worker's working directory need not be the client's); None for another file (CSV)."
     if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
     if p.is_dir():
         files = dataset_files(p)
         if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
-        return _parquet(files, p)
-    if p.suffix.lower() == '.parquet': return _parquet([p], p.parent)
-    con.register('frame', read_sketches(p)); return 'frame'     # CSV: validated by read_sketches, then the same SQL
+        return [f.absolute() for f in files], p.absolute()
+    return ([p.absolute()], p.absolute().parent) if p.suffix.lower() == '.parquet' else None
+
+def _partition_keys(f, root)->dict:
+    "The hive partition keys of part file `f` of the dataset at `root`, from the folder names between them (`run_id=...`): key -> value."
+    from urllib.parse import unquote
+    return dict((k, unquote(v)) for k, v in (s.split('=', 1) for s in Path(f).relative_to(root).parts[:-1] if '=' in s))
 
 def _parquet(files, # part files of one dataset
              root, # its directory: the folder names between it and a file are hive partition keys (`run_id=...`)
              located:bool=False, # also each row's `filename` and `file_row_number`
             )->str:
     "The FROM clause that reads `files`, their partition keys as typed columns."
-    keys = [s.split('=', 1)[0] for s in Path(files[0]).relative_to(root).parts[:-1] if '=' in s]
+    keys = _partition_keys(files[0], root)
     types = ', '.join(f"{_Q(k)}: {'BIGINT' if PARTITION_TYPES.get(k) == 'int64' else 'VARCHAR'}" for k in keys)
     hive = f", hive_partitioning = true, hive_types = {{{types}}}" if keys else ''
     return f"read_parquet([{', '.join(_Q(f) for f in files)}]{hive}{', filename = true, file_row_number = true' if located else ''})"
@@ -433,23 +442,11 @@ def _dask():
 def _group_table(f, rgs, base, types, columns=None):
     "Row groups `rgs` of part file `f` as an Arrow table (its `columns` only, where given and present), with the partition keys of its folder names."
     import pyarrow as pa, pyarrow.parquet as pq
-    from urllib.parse import unquote
     pf = pq.ParquetFile(f)
     t = pf.read_row_groups(rgs, columns=None if columns is None else [c for c in pf.schema_arrow.names if c in columns and c not in types])
-    keys = dict(s.split('=', 1) for s in Path(f).relative_to(base).parts[:-1] if '=' in s)
-    for k, ty in types.items(): t = t.append_column(k, pa.repeat(pa.scalar(unquote(keys[k])).cast(ty), len(t)))
+    keys = _partition_keys(f, base)
+    for k, ty in types.items(): t = t.append_column(k, pa.repeat(pa.scalar(keys[k]).cast(ty), len(t)))
     return t
-
-def _local_parquet(src):
-    "`(part files, dataset directory, name)` of a local Parquet dataset directory or .parquet file, the paths absolute (a worker's working directory need not be the client's); None for anything else (a DataFrame, a CSV file, a URL)."
-    if isinstance(src, pd.DataFrame) or '://' in str(src): return None
-    p = Path(src)
-    if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
-    if p.is_dir():
-        files = dataset_files(p)
-        if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
-        return [f.absolute() for f in files], p.absolute(), str(src)
-    return ([p.absolute()], p.absolute().parent, str(src)) if p.suffix.lower() == '.parquet' else None
 
 def _read_dask(dd, src, storage_options=None, workers=1):
     "Sketches as a dask DataFrame with typed columns (keys as strings, a missing name as ''): a DataFrame, a local CSV file, or a Parquet dataset at a URL (a local one is mined a batch of taps per task: `_mine_batched`)."
@@ -640,6 +637,7 @@ def _task_db(name:str):
         con.close()
         for f in (db, db.with_name(db.name + '.wal')): f.unlink(missing_ok=True)
 
+# %% ../nbs/03a_scale.ipynb #5c6edf2b-s3
 def _file_parts(files, workers:int)->list:
     "`files` in consecutive lists of about `VET_ROWS` rows (by their metadata), at least 2 × `workers` of them where the files allow."
     import pyarrow.parquet as pq
@@ -668,14 +666,16 @@ def _tap_tasks(loc:pd.DataFrame, # `_vet_part`'s locations, all files
     n = np.bincount(unit, weights=loc.n.to_numpy()).astype(np.int64)
     batch = np.searchsorted([a for a, _ in _batches(np.arange(len(n)), n, rows or TASK_ROWS)], unit, side='right') - 1
     ends = {f: np.cumsum([m.row_group(i).num_rows for i in range(m.num_row_groups)]) for f in loc.filename.unique() for m in [pq.read_metadata(f)]}
-    rg = lambda f, r: np.searchsorted(ends[f], r, side='right')    # the row group holding row number r of file f
+    for f, x in loc.groupby('filename').groups.items():       # the row groups holding each tap's first and last row in each file
+        loc.loc[x, 'g0'], loc.loc[x, 'g1'] = (np.searchsorted(ends[f], loc.loc[x, c].to_numpy(), side='right') for c in ('lo', 'hi'))
     out = []
     for b in range(batch.max() + 1):
         l = loc[batch == b]
-        groups = {f: sorted({g for a, z in zip(x.lo, x.hi) for g in range(rg(f, a), rg(f, z) + 1)}) for f, x in l.groupby('filename', sort=True)}
+        groups = {f: sorted({g for a, z in zip(x.g0, x.g1) for g in range(int(a), int(z) + 1)}) for f, x in l.groupby('filename', sort=True)}
         out.append((l[_m.KEYS].drop_duplicates(ignore_index=True), list(groups.items())))
     return out
 
+# %% ../nbs/03a_scale.ipynb #5c6edf2b-s4
 def _batch_tables(taps:pd.DataFrame, # the batch's taps (KEYS)
                   groups:list, # the row groups that hold them: `[(file, [row group, ...]), ...]`
                   root, types:dict, # the dataset's directory and partition key types (`_group_table`)
@@ -686,15 +686,15 @@ def _batch_tables(taps:pd.DataFrame, # the batch's taps (KEYS)
                  )->dict:
     "A task: the rows of some whole taps, every step of them, read from their row groups into DuckDB on the worker and reduced there to `_duck_tables`' tables (`tables`, with `cols`, and `rows`: the rows of `stats`); or the first key held twice (`dup`), and nothing else."
     with _task_db(name) as con:
-        keys = ['step', 'stat', 'idx', 'value'] + (['rank'] if rank else [])
+        kept = ['step', 'stat', 'idx', 'value'] + (['rank'] if rank else [])   # the columns b keeps besides the tap code
         con.register('btaps', taps.assign(tap=np.arange(len(taps), dtype=np.int32)))
         con.execute(f"CREATE TABLE b (tap INTEGER, step BIGINT, stat VARCHAR, idx BIGINT, value DOUBLE{', rank BIGINT' if rank else ''})")
         on = ' AND '.join(f"coalesce(CAST(c.{k} AS VARCHAR), '') = t.{k}" for k in _m.KEYS)
         for f, rgs in groups:          # a file's row groups at a time: only the batch's rows stay, coded by tap
             con.register('chunk', _group_table(f, rgs, root, types, MINE_COLS + ['rank']))
-            con.execute(f"INSERT INTO b SELECT t.tap, {', '.join('c.' + _qi(k) for k in keys)} FROM chunk c JOIN btaps t ON {on}")
+            con.execute(f"INSERT INTO b SELECT t.tap, {', '.join('c.' + _qi(k) for k in kept)} FROM chunk c JOIN btaps t ON {on}")
             con.unregister('chunk')
-        frm = f"(SELECT {K}, {', '.join(_qi(k) for k in keys)} FROM b JOIN btaps USING (tap))"
+        frm = f"(SELECT {K}, {', '.join(_qi(k) for k in kept)} FROM b JOIN btaps USING (tap))"
         _views(con, None, name, cut=cut, frm=frm)
         dup = None if cross_only else _vet_facts(con, rank, steps=False)[1]
         if dup or dup_only: return dict(dup=dup)
@@ -704,8 +704,7 @@ def _batch_tables(taps:pd.DataFrame, # the batch's taps (KEYS)
 
 def _mine_batched(files, root, name, run, delayed, workers, seed=0, stats=()):
     "`mine_dask` of a local Parquet dataset: vetted file by file (`_vet_part`), then mined a batch of whole taps per task by DuckDB on the workers (`_batch_tables`); only the pooled tables come back."
-    keys = [s.split('=', 1)[0] for s in Path(files[0]).relative_to(root).parts[:-1] if '=' in s]
-    types = {k: PARTITION_TYPES.get(k, 'string') for k in keys}
+    types = {k: PARTITION_TYPES.get(k, 'string') for k in _partition_keys(files[0], root)}
     facts = run(*[delayed(_vet_part)(fs, root, name) for fs in _file_parts(files, workers)])
     rank = 'rank' in facts[0][3]
     vets = _merged_vets([(s, None, bad) for s, bad, _, _ in facts])
@@ -829,9 +828,9 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
     try:
         watch = _Watch(c, patience)
         run = lambda *xs: _run(c, xs, watch, distributed)
-        local = _local_parquet(sketches)
+        local = None if isinstance(sketches, pd.DataFrame) or '://' in str(sketches) else _parquet_files(Path(sketches))
         if local:       # a local Parquet dataset: a batch of whole taps per task, mined by DuckDB where it runs
-            found, got = _mine_batched(*local, run, dask.delayed, len(watch.workers) or 1, seed, tuple(rows))
+            found, got = _mine_batched(*local, str(sketches), run, dask.delayed, len(watch.workers) or 1, seed, tuple(rows))
             if rows: found.attrs['rows'] = got
             return found
         sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
