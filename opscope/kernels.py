@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from .exploits import Kernel
 
 # %% auto #0
-__all__ = ['FP16_MAX', 'INT4_GROUP', 'kernel_dead', 'kernel_sparse', 'kernel_int8', 'kernel_bf16', 'kernel_fp16',
-           'kernel_int8_weight', 'int4_grid', 'kernel_int4_weight', 'kernel_lowrank', 'kernel_prepack']
+__all__ = ['SMALL_READ', 'FP16_MAX', 'INT4_GROUP', 'kernel_dead', 'kernel_sparse', 'Verdict', 'kernel_int8', 'kernel_bf16',
+           'kernel_fp16', 'kernel_int8_weight', 'int4_grid', 'kernel_int4_weight', 'kernel_lowrank', 'kernel_prepack']
 
 # %% ../nbs/02d_kernels.ipynb #7bbbeadb
 def kernel_dead(w, b, keep):
@@ -37,12 +37,29 @@ def kernel_sparse(w, b, arg):
 # %% ../nbs/02d_kernels.ipynb #eef5657b
 def _row_absmax(x):
     "Each row's largest |x|, as a column: `amax` and `amin` are two plain reductions (`abs().amax()` writes a copy first, `vector_norm(ord=inf)` is slower still on CPU)."
-    return torch.maximum(x.amax(1, keepdim=True), x.amin(1, keepdim=True).neg())
+    return torch.maximum(x.amax(1, keepdim=True), x.amin(1, keepdim=True).neg_())
+
+SMALL_READ = 32   # a call of at most this many rows reads every row's guard value at once (`tolist`); a larger one reads their min or max
+
+class Verdict:
+    "A guard's verdict on one call's rows: one guard value per row, `g`, that must lie in [`lo`, `hi`] (NaN never does). `all()` decides the whole call with one host read; `rows()` gives the verdict per row, on the device (for the refused rows, or a deferred count)."
+    __slots__ = ('g', 'lo', 'hi')
+    def __init__(self, g, lo=-math.inf, hi=math.inf): self.g, self.lo, self.hi = g, float(lo), float(hi)
+    def all(self)->bool:
+        g, lo, hi = self.g, self.lo, self.hi
+        if g.numel() <= SMALL_READ:                      # the row values in one read, compared in C (`map`): no reduction op
+            vs = g.tolist()                              # (`numel`, not `len`: a quarter of the time, which counts at a few µs a call)
+            return all(map(lo.__le__, vs)) if hi == math.inf else all(map(lo.__le__, vs)) and all(map(hi.__ge__, vs))   # NaN fails `lo <= v`, even for lo = -inf
+        return all(lo <= float(v) <= hi for v in ((g.amax(),) if lo == -math.inf else (g.amin(),) if hi == math.inf else (g.amin(), g.amax())))   # NaN propagates
+    def rows(self):
+        g = self.g
+        return g.le(self.hi) if self.lo == -math.inf else g.ge(self.lo) if self.hi == math.inf else g.ge(self.lo) & g.le(self.hi)
+    def __repr__(self): return f"Verdict({len(self.g)} rows in [{self.lo:.4g}, {self.hi:.4g}])"
 
 # %% ../nbs/02d_kernels.ipynb #2d4dc280
 def kernel_int8(w, b, outliers=None):
-    "int8 GEMM through `torch._int_mm`: a dynamic scale per lhs row × one per weight channel; the `outliers` lhs channels (an LLM.int8()-style split) stay float32. `rows(x, limit)` also says which rows the guard admits: finite, crest (absmax·√K/‖row‖, after the split) at most `limit`."
-    K, out = w.shape[1], torch.as_tensor(sorted(outliers if outliers is not None else []), dtype=torch.long, device=w.device)
+    "int8 GEMM through `torch._int_mm`: a dynamic scale per lhs row × one per weight channel; the `outliers` lhs channels (an LLM.int8()-style split) stay float32. `rows(x, limit)` also returns the guard's `Verdict`: a row is admitted when finite, not all zero, and its crest (absmax·√K/‖row‖, after the split) is at most `limit`."
+    K, c127, out = w.shape[1], 127 * math.sqrt(w.shape[1]), torch.as_tensor(sorted(outliers if outliers is not None else []), dtype=torch.long, device=w.device)
     split = len(out) > 0
     wi = w.index_fill(1, out, 0) if split else w
     sw = (wi.abs().amax(1) / 127).clamp_min(1e-30)                    # one scale per output channel
@@ -50,12 +67,10 @@ def kernel_int8(w, b, outliers=None):
     wo = w.index_select(1, out).t().contiguous() if split else None   # the outlier channels' float weight
     def rows(x, limit=None):
         xi = x.index_fill(1, out, 0) if split else x
-        a = _row_absmax(xi)
-        # crest ≤ limit ⇔ ‖row‖ − absmax·√K/limit ≥ 0: three ops, while the rows are still in cache; a NaN row gives NaN,
-        # an Inf row inf − inf = NaN, and both fail
-        ok = None if limit is None else torch.sub(torch.linalg.vector_norm(xi, 2, 1), a.squeeze(1), alpha=math.sqrt(K) / limit).ge(0.)
-        s = (a / 127).clamp_min_(1e-30)
-        y = torch._int_mm((xi / s).round_().clamp_(-127, 127).to(torch.int8), wq).float().mul_(s).mul_(sw)
+        s = (_row_absmax(xi) / 127).clamp_min_(1e-30)
+        xs = xi / s                                      # every row's absmax at 127: ‖row‖ = 127·√K / crest
+        ok = None if limit is None else Verdict(torch.linalg.vector_norm(xs, 2, 1), c127 / limit)
+        y = torch._int_mm(xs.round_().to(torch.int8), wq).float().mul_(s).mul_(sw)   # |x/s| ≤ 127 by construction: no clamp
         if split: y.addmm_(x.index_select(1, out), wo)
         if b is not None: y.add_(b)
         return y, ok
@@ -78,11 +93,11 @@ def kernel_bf16(w, b, arg=None):
 
 # %% ../nbs/02d_kernels.ipynb #0e19b804
 def kernel_fp16(w, b, arg=None):
-    "`F.linear` in float16. `rows(x, limit)` admits the rows whose absmax keeps every output inside float16's range (absmax × the largest weight-row L1 norm ≤ 65504 / 2)."
+    "`F.linear` in float16. `rows(x, limit)` also returns the guard's `Verdict`: it admits the rows whose absmax keeps every output inside float16's range (absmax × the largest weight-row L1 norm ≤ 65504 / 2)."
     wh, bh = w.to(torch.float16), (b.to(torch.float16) if b is not None else None)
     bound = FP16_MAX / 2 / float(w.abs().sum(1).amax().clamp_min(1e-30))
     def rows(x, limit=None):
-        ok = None if limit is None else (_row_absmax(x) <= limit).squeeze(1)     # before the GEMM: the rows are still in cache
+        ok = None if limit is None else Verdict(torch.maximum(x.amax(1), x.amin(1).neg_()), hi=limit)   # before the GEMM: the rows are still in cache
         return F.linear(x.to(torch.float16), wh, bh).float(), ok
     return Kernel(lambda x: rows(x)[0], wh.numel() * 2, False, rows, min(bound, FP16_MAX / 2))
 

@@ -21,6 +21,7 @@ from .miner import crest_nz, mine, stationary, step_table, drop_nonfinite_steps,
 from .tables import InputError, MissingError, read_csv_table, as_numbers, row_error
 from .sites import matmul_sites
 from .probe import rank_at_energy, dump_sites
+from .recorder import _call_args
 from .shapes import op_costs, roofline, measure_machine
 
 
@@ -349,18 +350,18 @@ def plan(sketches:pd.DataFrame, # tidy sketches (`recorder.SCHEMA`), e.g. from `
 
 # %% ../nbs/07_plan.ipynb #df903fb1
 class GuardedLinear(nn.Module):
-    "A linear site that checks its guard on the live lhs and runs the specialized kernel or the dense op."
+    "A linear site that checks its guard on the live lhs and runs the specialized kernel or the dense op; a weight-only exploit (guard '') always runs its kernel."
     def __init__(self, site:str, weight, bias, exploit:str, guard:str, channels=(), arg=None):
         super().__init__()
         self.site, self.exploit, self.guard = site, exploit, guard
-        self.clauses = parse_guard(guard)
+        self.clauses = parse_guard(guard) if guard else None
         self.weight, self.bias = weight, bias
         self.register_buffer('channels', torch.tensor(list(channels), dtype=torch.long, device=weight.device), persistent=False)
         self.kernel = make_kernel(exploit, weight, bias, arg)
         self.counts, self.log = {'special': 0, 'dense': 0}, []
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
-        ok = guard_holds(self.clauses, live_values(x2, self.clauses, 'lhs', self.channels))
+        ok = self.clauses is None or guard_holds(self.clauses, live_values(x2, self.clauses, 'lhs', self.channels))
         y = self.kernel.fn(x2) if ok else F.linear(x2, self.weight, self.bias)
         self.counts['special' if ok else 'dense'] += 1; self.log.append(ok)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -382,8 +383,8 @@ def choose(plans:pd.DataFrame, # from `plan`
            lossy:bool=False, # also allow lossy exploits (int8, low-rank)
            min_speedup:float=1.0, # the measured speedup a row must reach
           )->pd.DataFrame:
-    "Per site, the guarded exploit with the best measured speedup (exact ones only unless `lossy`)."
-    p = plans[(plans.guard.fillna('') != '') & (plans.measured_speedup >= min_speedup)]
+    "Per site, the exploit with the best measured speedup (exact ones only unless `lossy`): a guarded one, or a weight-only one (prepack, low-rank: no guard, it holds while the weight is fixed)."
+    p = plans[plans.measured_speedup >= min_speedup]
     if not lossy: p = p[p.exact.astype(bool)]
     return p.sort_values('measured_speedup', ascending=False).drop_duplicates(['run_id', 'site']).sort_index()
 
@@ -392,7 +393,10 @@ def choose(plans:pd.DataFrame, # from `plan`
 def _check_row(r, w):
     "The guard clauses and channels of plan row `r`, checked against its site's weight `w` (out × in) before anything is built."
     site = f"plan site {r.site!r}"
-    try: clauses = parse_guard(r.guard)
+    rec = REGISTRY.get(r.exploit)
+    if not r.guard and (rec is None or rec.guard is not None):
+        raise InputError(f"{site}: {r.exploit} needs a guard (only weight-only exploits, such as prepack and low-rank, run without one)")
+    try: clauses = parse_guard(r.guard) if r.guard else []
     except ValueError as e: raise InputError(f"{site}: {e}") from None
     off = [c for c in clauses if c.role != 'lhs']
     if off: raise InputError(f"{site}: guard clause {format_guard(off[:1])!r} reads {off[0].role}, but a guard is checked "
@@ -413,8 +417,8 @@ def _check_row(r, w):
 def specialize(gm:fx.GraphModule, # from `sites.trace`; left untouched
                plans:pd.DataFrame, # rows of `plan` to apply, one per site (see `choose`)
               )->fx.GraphModule:
-    "A new GraphModule whose planned sites check their guard on the live lhs and dispatch; `.guarded` maps site → `GuardedLinear`. Every row is checked against the graph and its weights first."
-    rows = plans[plans.guard.fillna('') != ''].astype({'site': str})   # a site named `0` read back by pandas is 0
+    "A new GraphModule whose planned sites check their guard on the live lhs and dispatch (a weight-only row, with no guard, always runs its kernel); `.guarded` maps site → `GuardedLinear`. Every row is checked against the graph and its weights first."
+    rows = plans.assign(guard=plans.guard.fillna('')).astype({'site': str})   # a site named `0` read back by pandas is 0
     dup = rows.site[rows.site.duplicated()]
     if len(dup): raise InputError(f"site {dup.iloc[0]!r} has several plan rows; keep one per site (e.g. with choose)")
     graph = copy.deepcopy(gm.graph)
@@ -429,7 +433,7 @@ def specialize(gm:fx.GraphModule, # from `sites.trace`; left untouched
         ch, e = _check_row(r, w), REGISTRY.get(r.exploit)
         arg = e.kernel_arg(r, ch, w.shape[1]) if e is not None and e.kernel_arg is not None else None
         mod = GuardedLinear(r.site, w, b, r.exploit, r.guard, ch, arg)
-        live_values(w.new_zeros(1, w.shape[1]), mod.clauses, 'lhs', mod.channels)   # the guard runs on a live lhs now, not on the first call
+        if mod.clauses is not None: live_values(w.new_zeros(1, w.shape[1]), mod.clauses, 'lhs', mod.channels)   # the guard runs on a live lhs now, not on the first call
         name = 'opscope_guarded_' + re.sub(r'\W', '_', r.site)
         new.add_submodule(name, mod); new.guarded[r.site] = mod
         node = by_name[s.node.name]
@@ -451,16 +455,23 @@ def _site_bound_ok(mod, x, yref, y):
 
 
 # %% ../nbs/07_plan.ipynb #6baba780
+def _flat_out(out)->torch.Tensor:
+    "Every float tensor of a graph's output (a tensor, tuple, dict or transformers `ModelOutput`), flattened into one."
+    ts = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not ts: raise InputError(f"the graph returns no float tensor to compare ({type(out).__name__})")
+    return torch.cat([t.reshape(-1).float() for t in ts])
+
 def check_specialized(gm:fx.GraphModule, sgm:fx.GraphModule, # the original and `specialize(gm, ...)`
-                      batches, # iterable of input tensors (one step each)
+                      batches, # one step each: an input tensor, a tuple of inputs, or a dict of keyword inputs (as `record` takes them)
                      )->pd.DataFrame:
-    "Per (step, site): path taken, output error vs the original, and whether it is within tolerance."
+    "Per (step, site): path taken, output error vs the original (over every float tensor the graph returns), and whether it is within tolerance."
     rows = []
     with torch.no_grad():
         for step, xb in enumerate(batches):
-            ref = gm(xb)
+            args, kwargs = _call_args(xb)
+            ref = _flat_out(gm(*args, **kwargs))
             logs = {s: len(m.log) for s, m in sgm.guarded.items()}
-            y = sgm(xb)
+            y = _flat_out(sgm(*args, **kwargs))
             d = dump_sites(gm, xb, sites=list(sgm.guarded), roles=('lhs', 'out'))
             rel = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
             for s, m in sgm.guarded.items():

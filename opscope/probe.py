@@ -134,22 +134,30 @@ class _Keep(torch.fx.Interpreter):
         for key in self.want.get(n, ()): self.kept[key] = out.detach().clone()
         return out
 
-def _site_nodes(model, inputs):
-    "The traced graph module and its matmul sites as {name: {role: fx node or parameter tensor}}."
-    gm = trace(model, *inputs)
+def _site_nodes(model, args, kwargs=None):
+    "The traced graph module (`model` itself when it is one and the inputs are keywords: a trace would rename its nodes) and its matmul sites as {name: {role: fx node or parameter tensor}}."
+    gm = model if isinstance(model, torch.fx.GraphModule) and kwargs else trace(model, *args, **(kwargs or {}))
     val = lambda v: gm.get_parameter(v) if isinstance(v, str) else v  # an nn.Linear weight comes as its path
     return gm, {s.name: {'lhs': val(s.lhs), 'rhs': val(s.rhs), 'out': s.out} for s in matmul_sites(gm)}
 
+def _graph_inputs(gm, args, kwargs)->list:
+    "The values of `gm`'s placeholders, in order, for a call with `args` and `kwargs`: a graph from torch.export takes its inputs flattened in its input spec's order (keywords included)."
+    if not kwargs: return list(args)
+    spec = getattr(gm, '_in_spec', None)
+    if spec is None: raise InputError(f"inputs: keyword inputs ({', '.join(kwargs)}) need a graph from torch.export, which `trace` makes from keyword inputs; this torch.fx graph takes positional inputs")
+    from torch.export._tree_utils import reorder_kwargs
+    return torch.utils._pytree.tree_leaves((tuple(args), reorder_kwargs(kwargs, spec)))
+
 # %% ../nbs/05_probe.ipynb #f1f378a7
 def dump_sites(model, # a model opscope.inject can trace
-               inputs, # one input tensor or a tuple of inputs
+               inputs, # one input tensor, a tuple of inputs, or a dict of keyword inputs (as `record` takes a batch)
                sites=None, # site names as `opscope.inject` names them, e.g. ['fc1', 'layers.0.ffn.up']; None: all
                path=None, # if given, also save the dump there with `save_tensors`
                roles=('lhs', 'rhs', 'out'), # which operands to keep
               )->dict:
     "The `lhs`/`rhs`/`out` tensors of the named matmul sites from one run, as {'site/role': tensor}."
-    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    gm, found = _site_nodes(model, inputs)
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {})
+    gm, found = _site_nodes(model, args, kwargs)
     sites = list(found) if sites is None else [sites] if isinstance(sites, str) else list(sites)
     missing = [s for s in sites if s not in found]
     if missing: raise MissingError(f"no matmul site {missing[0]!r}; the sites are: {', '.join(found)}")
@@ -159,7 +167,7 @@ def dump_sites(model, # a model opscope.inject can trace
             node = found[s][r]
             if isinstance(node, torch.fx.Node): want.setdefault(node, []).append(f'{s}/{r}')
     with torch.no_grad():
-        keep = _Keep(gm, want); keep.run(*inputs)
+        keep = _Keep(gm, want); keep.run(*_graph_inputs(gm, args, kwargs))
     for s in sites:  # operands that are module parameters rather than graph values
         for r in roles:
             if isinstance(found[s][r], torch.Tensor): keep.kept[f'{s}/{r}'] = found[s][r].detach().clone()

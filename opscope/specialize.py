@@ -80,10 +80,10 @@ class SpecializedLinear(nn.Module):
             if not ok: self._refuse(x2.shape[0], c); return F.linear(x2, self.weight, self.bias)
             return k.fn(x2)
         if k.rows is None or c.limit is None: return k.fn(x2)     # no guard needed (bf16, weight-only, prepack)
-        y, ok = k.rows(x2, c.limit)
-        if self.defer: return self._deferred(c, x2, y, ok)
-        if not ok.all():                                           # the one host read of the call
-            i = (~ok).nonzero().squeeze(1)
+        y, v = k.rows(x2, c.limit)
+        if self.defer: return self._deferred(c, x2, y, v.rows())
+        if not v.all():                                            # the one host read of the call
+            i = (~v.rows()).nonzero().squeeze(1)
             y.index_copy_(0, i, F.linear(x2.index_select(0, i), self.weight, self.bias))
             self._refuse(len(i), c)
         return y
@@ -225,7 +225,7 @@ def _guard_only(c):
     "The guarded path of `c` with every row admitted: what the guard itself adds to the kernel."
     k = c.kernel
     if c.clauses is not None: return lambda x: (guard_holds(c.clauses, live_values(x, c.clauses, 'lhs', c.channels)), k.fn(x))
-    if k.rows is not None and c.limit is not None: return lambda x: (lambda y, ok: (y, bool(ok.all())))(*k.rows(x, math.inf))
+    if k.rows is not None and c.limit is not None: return lambda x: (lambda y, v: (y, v.all()))(*k.rows(x, math.inf))
     return None
 
 def _once(f, x):
@@ -288,7 +288,7 @@ def measure_site(site:str, lin:nn.Linear, xs:dict, # regime -> the site's live l
             row['guard_cost'] = max((c for c in costs if c == c), default=math.nan)   # NaN: a trap measured once
             c = choices[regs[0]]
             if c.kernel.rows is not None and c.limit is not None:
-                with torch.no_grad(): row['guard_admits'] = float(torch.cat([c.kernel.rows(x, c.limit)[1] for x in xs.values()]).float().mean())
+                with torch.no_grad(): row['guard_admits'] = float(torch.cat([c.kernel.rows(x, c.limit)[1].rows() for x in xs.values()]).float().mean())
         except _NotHere as e:
             row['reason'], choices = str(e), {}
         except (RuntimeError, NotImplementedError) as e:             # what torch raises for an op, dtype or shape this backend lacks
@@ -424,7 +424,9 @@ def end_to_end(models:dict, # name -> model; the first is the baseline
             df = pd.DataFrame(dict(model=list(t), ms=[1e3 * v for v in t.values()]))
         else:
             gen = _median_times({k: (lambda m=m: [greedy(m, b, n, exact_length=True) for b in holdout]) for k, m in models.items()}, rounds)
-            pre = _median_times({k: (lambda m=m: [_run(m, b) for b in holdout]) for k, m in models.items()}, rounds)
+            # prefill as `generate` runs it: a one-token generate (a plain forward would also run the lm_head over every
+            # prompt position, which generate skips, and so overstate the prefill and understate the decode time)
+            pre = _median_times({k: (lambda m=m: [greedy(m, b, 1, exact_length=True) for b in holdout]) for k, m in models.items()}, rounds)
             prompt = sum(int(b['attention_mask'].sum()) if 'attention_mask' in b else b['input_ids'].numel() for b in holdout)
             new = sum(b['input_ids'].shape[0] * n for b in holdout)
             df = pd.DataFrame(dict(model=list(gen), ms=[1e3 * v for v in gen.values()],

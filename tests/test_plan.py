@@ -10,6 +10,7 @@ from opscope.recorder import record
 from opscope.miner import mine
 from opscope.exploits import REGISTRY, Exploit, Rule, register, planned, guard_density, cost_sparse, evidence_sparse
 from opscope.kernels import kernel_sparse
+from opscope.tables import InputError
 from opscope.plan import (plan, specialize, choose, check_specialized, parse_guard, format_guard, guard_holds,
                           sketch_values, live_values, parse_channels, make_kernel, format_plan, PLAN_COLUMNS,
                           NOT_WORTH_IT, LOSSY_REL_TOL, stationary_taps, FINITE_GUARD)
@@ -91,7 +92,21 @@ def test_int8_is_lossy_within_tolerance(mnist):
 def test_choose_picks_one_exact_row_per_site(mnist):
     c = choose(mnist['plan'])
     assert not c.site.duplicated().any() and c.exact.all() and (c.measured_speedup >= 1).all()
-    assert (c.guard != '').all()
+    bare = c[c.guard.fillna('') == '']
+    assert all(REGISTRY[e].guard is None for e in bare.exploit)           # no guard: a weight-only exploit, never a dropped one
+
+
+def test_weight_only_rows_are_applied_not_dropped(mnist):
+    "A plan row without a guard (prepack: weight-only, exact) is applied by specialize and verified like any other (issue 32: they were dropped silently)."
+    gm, p, batches = mnist['gm'], mnist['plan'], mnist['batches']
+    pre = p[p.exploit == 'prepack']
+    assert len(pre) and (pre.guard.fillna('') == '').all()
+    sgm = specialize(gm, pre)
+    assert set(sgm.guarded) == set(pre.site)
+    chk = check_specialized(gm, sgm, batches[:2])
+    assert chk.within_tol.all() and (chk.path == 'special').all() and len(chk) == 2 * len(pre)
+    i8 = p[p.exploit == 'int8'].head(1).assign(guard='')
+    with pytest.raises(InputError, match="int8 needs a guard"): specialize(gm, i8)
 
 
 def test_guard_language_round_trip_and_no_eval():
@@ -159,6 +174,27 @@ def test_kernels_match_dense():
     for ex, arg, tol in [('sparse-gemm', None, 1e-5), ('int8', None, 3e-2), ('prepack', None, 1e-6), ('low-rank', 24, 1e-4)]:
         y = make_kernel(ex, w, b, arg).fn(x)
         assert ((y - ref).norm() / ref.norm()) < tol, ex
+
+
+@pytest.mark.slow
+def test_check_specialized_keyword_inputs():
+    "A Hugging Face encoder traced from keyword inputs: specialize and check_specialized take the same dict batches (issue 32: they raised 'kwarg keyword mismatch')."
+    from transformers import BertConfig, BertModel
+    from opscope.probe import dump_sites
+    torch.manual_seed(0)
+    m = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100)).eval()
+    bs = [dict(input_ids=torch.randint(0, 100, (2, 16)), attention_mask=torch.ones(2, 16, dtype=torch.long)) for _ in range(2)]
+    gm = trace(m, **bs[0])
+    sk = record(m, bs)
+    picked = choose(plan(sk, mine(sk), machine=MACHINE), lossy=True, min_speedup=0)
+    assert len(picked) >= 6
+    sgm = specialize(gm, picked)
+    chk = check_specialized(gm, sgm, bs)
+    assert len(chk) == 2 * len(picked) and chk.within_tol.all() and (chk.path == 'special').any()
+    site = picked.site.iloc[0]
+    d = dump_sites(gm, bs[0], sites=[site], roles=('lhs', 'out'))
+    with torch.no_grad(): test = m.get_submodule(site)(d[f'{site}/lhs'])
+    assert torch.allclose(test, d[f'{site}/out'], atol=1e-5)          # the dump is that layer's real input and output
 
 
 def test_specialize_bad_input(mnist):
