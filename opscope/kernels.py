@@ -59,7 +59,7 @@ class Verdict:
 # %% ../nbs/02d_kernels.ipynb #2d4dc280
 def kernel_int8(w, b, outliers=None):
     "int8 GEMM through `torch._int_mm`: a dynamic scale per lhs row × one per weight channel; the `outliers` lhs channels (an LLM.int8()-style split) stay float32. `rows(x, limit)` also returns the guard's `Verdict`: a row is admitted when finite, not all zero, and its crest (absmax·√K/‖row‖, after the split) is at most `limit`."
-    K, c127, out = w.shape[1], 127 * math.sqrt(w.shape[1]), torch.as_tensor(sorted(outliers if outliers is not None else []), dtype=torch.long, device=w.device)
+    c127, out = 127 * math.sqrt(w.shape[1]), torch.as_tensor(sorted(outliers if outliers is not None else []), dtype=torch.long, device=w.device)
     split = len(out) > 0
     wi = w.index_fill(1, out, 0) if split else w
     sw = (wi.abs().amax(1) / 127).clamp_min(1e-30)                    # one scale per output channel
