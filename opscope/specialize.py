@@ -225,8 +225,11 @@ def _guard_only(c):
     "The guarded path of `c` with every row admitted: what the guard itself adds to the kernel."
     k = c.kernel
     if c.clauses is not None: return lambda x: (guard_holds(c.clauses, live_values(x, c.clauses, 'lhs', c.channels)), k.fn(x))
-    if k.rows is not None and c.limit is not None: return lambda x: (lambda y, v: (y, v.all()))(*k.rows(x, math.inf))
-    return None
+    if k.rows is None or c.limit is None: return None
+    def guarded(x):                      # as `SpecializedLinear._special` runs it on the CPU, every row admitted
+        y, v = k.rows(x, math.inf)
+        return y if v.all() else None
+    return guarded
 
 def _once(f, x):
     "ms of one call of `f(x)`: the fastest of three, after a warm-up call."
