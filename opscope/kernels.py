@@ -42,7 +42,7 @@ def _row_absmax(x):
 SMALL_READ = 32   # a call of at most this many rows reads every row's guard value at once (`tolist`); a larger one reads their min or max
 
 class Verdict:
-    "A guard's verdict on one call's rows: one guard value per row, `g`, that must lie in [`lo`, `hi`] (NaN never does). `all()` decides the whole call with one host read; `rows()` gives the verdict per row, on the device (for the refused rows, or a deferred count)."
+    "A guard's verdict on one call's rows: one guard value per row, `g`, that must lie in [`lo`, `hi`] (NaN never does; a row holding NaN or Inf has a non-finite `g`). `all()` decides the whole call with one host read; `rows()` gives the verdict per row, on the device (for the refused rows, or a deferred count)."
     __slots__ = ('g', 'lo', 'hi')
     def __init__(self, g, lo=-math.inf, hi=math.inf): self.g, self.lo, self.hi = g, float(lo), float(hi)
     def all(self)->bool:

@@ -81,17 +81,17 @@ class SpecializedLinear(nn.Module):
             return k.fn(x2)
         if k.rows is None or c.limit is None: return k.fn(x2)     # no guard needed (bf16, weight-only, prepack)
         y, v = k.rows(x2, c.limit)
-        if self.defer: return self._deferred(c, x2, y, v.rows())
+        if self.defer: return self._deferred(y, v)
         if not v.all():                                            # the one host read of the call
             i = (~v.rows()).nonzero().squeeze(1)
             y.index_copy_(0, i, F.linear(x2.index_select(0, i), self.weight, self.bias))
             self._refuse(len(i), c)
         return y
-    def _deferred(self, c, x2, y, ok):
-        "No host read: refused rows are counted on the device and non-finite rows come out NaN; every `GUARD_READ_EVERY` calls the count is read, and a site that refused any row runs the dense op from then on."
-        n = (~ok).sum()
+    def _deferred(self, y, v):
+        "No host read: refused rows are counted on the device, and a row with a NaN or Inf comes out NaN (its guard value is not finite, so `g·0` is NaN on it and 0 elsewhere: no pass over the input); every `GUARD_READ_EVERY` calls the count is read, and a site that refused any row runs the dense op from then on."
+        n = (~v.rows()).sum()
         self._pending = n if self._pending is None else self._pending + n
-        y = torch.where(torch.isfinite(x2).all(1, keepdim=True), y, float('nan'))
+        y.add_(v.g.mul(0).unsqueeze(1))
         if self._calls % GUARD_READ_EVERY == 0: self.sync()
         return y
     def sync(self):
