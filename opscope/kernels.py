@@ -49,11 +49,14 @@ class Verdict:
         g, lo, hi = self.g, self.lo, self.hi
         if g.numel() <= SMALL_READ:                      # the row values in one read, compared in C (`map`): no reduction op
             vs = g.tolist()                              # (`numel`, not `len`: a quarter of the time, which counts at a few µs a call)
-            return all(map(lo.__le__, vs)) if hi == math.inf else all(map(lo.__le__, vs)) and all(map(hi.__ge__, vs))   # NaN fails `lo <= v`, even for lo = -inf
-        return all(lo <= float(v) <= hi for v in ((g.amax(),) if lo == -math.inf else (g.amin(),) if hi == math.inf else (g.amin(), g.amax())))   # NaN propagates
+            return all(map(lo.__le__, vs)) and (hi == math.inf or all(map(hi.__ge__, vs)))   # NaN fails `lo <= v`, even for lo = -inf
+        if hi == math.inf: return lo <= float(g.amin())  # one reduction and one read; NaN propagates through both, and fails
+        if lo == -math.inf: return float(g.amax()) <= hi
+        return lo <= float(g.amin()) and float(g.amax()) <= hi
     def rows(self):
-        g = self.g
-        return g.le(self.hi) if self.lo == -math.inf else g.ge(self.lo) if self.hi == math.inf else g.ge(self.lo) & g.le(self.hi)
+        if self.hi == math.inf: return self.g.ge(self.lo)
+        if self.lo == -math.inf: return self.g.le(self.hi)
+        return self.g.ge(self.lo) & self.g.le(self.hi)
     def __repr__(self): return f"Verdict({len(self.g)} rows in [{self.lo:.4g}, {self.hi:.4g}])"
 
 # %% ../nbs/02d_kernels.ipynb #2d4dc280

@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 from . import zoo
 from .sites import trace, matmul_sites
+from .recorder import _call_args
 from .tables import InputError, MissingError, atomic_write, json_depth
 
 
@@ -156,7 +157,7 @@ def dump_sites(model, # a model opscope.inject can trace
                roles=('lhs', 'rhs', 'out'), # which operands to keep
               )->dict:
     "The `lhs`/`rhs`/`out` tensors of the named matmul sites from one run, as {'site/role': tensor}."
-    args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {})
+    args, kwargs = _call_args(inputs)
     gm, found = _site_nodes(model, args, kwargs)
     sites = list(found) if sites is None else [sites] if isinstance(sites, str) else list(sites)
     missing = [s for s in sites if s not in found]
