@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .exploits import lhs_rows
-from .kernels import _row_absmax, int4_grid, INT4_GROUP
+from .kernels import _row_absmax, int4_grid, INT4_GROUP, Verdict
 from .tables import InputError
 from .recorder import record, _call_args
 from .miner import mine, INT8_MAX_CREST
@@ -32,7 +32,7 @@ __all__ = ['DECODE_ROWS', 'MIN_GAIN', 'ROW_CREST_MARGIN', 'GUARD_READ_EVERY', 'L
 DECODE_ROWS = 16      # a call with at most this many rows (tokens × batch) is in the `decode` regime, else `prefill`
 MIN_GAIN = 1.05       # a kernel is applied in a regime only from this measured speedup (the interleaved medians' noise)
 ROW_CREST_MARGIN = 1.25   # the int8 guard admits rows up to this × the largest per-row crest of the calibration activations
-GUARD_READ_EVERY = 64     # deferred guards (accelerators): the refused-row counter is read every this many calls
+GUARD_READ_EVERY = 64     # deferred guards (accelerators): the kept verdicts are read every this many guarded calls
 LOWRANK_MAX_ELEMS = 1 << 22   # low-rank is priced only for weights up to this size (an SVD each)
 INT4_MAX_FIT_ERR = 1e-3   # int4-weight is measured where the weight's 4-bit grid fit (`exploits.int4_grid`) is this close: weights dequantized from a 4-bit format
 TRIED = ('bf16', 'fp16', 'int8', 'int8-weight', 'prepack')   # measured at every linear site; the rest need evidence
@@ -63,7 +63,7 @@ class SpecializedLinear(nn.Module):
         self.defer = (linear.weight.device.type != 'cpu') if defer is None else defer
         self.counts = dict(special=0, dense=0, refused_rows=0)
         self.log = deque(maxlen=256)     # (call, regime, rows refused): the last fallbacks, bounded
-        self._calls, self._pending = 0, None
+        self._calls, self._pending = 0, []     # _pending: the deferred calls' `Verdict`s, not read yet
     def forward(self, x):
         self._calls += 1
         c = self.choices.get('decode' if x.numel() <= DECODE_ROWS * self.in_features else 'prefill') if self.enabled else None
@@ -88,16 +88,16 @@ class SpecializedLinear(nn.Module):
             self._refuse(len(i), c)
         return y
     def _deferred(self, y, v):
-        "No host read: refused rows are counted on the device, and a row with a NaN or Inf comes out NaN (its guard value is not finite, so `g·0` is NaN on it and 0 elsewhere: no pass over the input); every `GUARD_READ_EVERY` calls the count is read, and a site that refused any row runs the dense op from then on."
-        n = (~v.rows()).sum()
-        self._pending = n if self._pending is None else self._pending + n
-        y.add_(v.g.mul(0).unsqueeze(1))
-        if self._calls % GUARD_READ_EVERY == 0: self.sync()
+        "No host read and no op: the call's `Verdict` is kept as it is. A row with a NaN or Inf comes out non-finite from the kernel itself, as from the dense op (its int8 scale, or its float16 value, is not finite). Every `GUARD_READ_EVERY` guarded calls `sync` reads the kept verdicts at once."
+        self._pending.append(v)
+        if len(self._pending) >= GUARD_READ_EVERY: self.sync()
         return y
     def sync(self):
-        "Read the deferred refusal count (one host read); a site that refused rows falls back to the dense op."
-        if self._pending is None: return 0
-        n, self._pending = int(self._pending), None
+        "Read the deferred verdicts (one host read: their rows concatenated per bound, the refusals summed); a site that refused rows falls back to the dense op."
+        if not self._pending: return 0
+        vs, self._pending, by = self._pending, [], {}
+        for v in vs: by.setdefault((v.lo, v.hi), []).append(v.g)
+        n = int(torch.stack([(~Verdict(torch.cat(gs), *lh).rows()).sum() for lh, gs in by.items()]).sum())
         if n:
             self.counts['refused_rows'] += n; self.log.append((self._calls, 'deferred', n))
             self.choices = {}
