@@ -23,10 +23,10 @@ from .runners import _is_decoder
 
 # %% auto #0
 __all__ = ['DECODE_ROWS', 'MIN_GAIN', 'ROW_CREST_MARGIN', 'GUARD_READ_EVERY', 'LOWRANK_MAX_ELEMS', 'INT4_MAX_FIT_ERR', 'TRIED',
-           'UNGUARDED', 'REPORT_COLUMNS', 'AB_ROUNDS', 'SKIP_SLOWER', 'PASS_SKIP_SLOWER', 'PASS_ROUNDS',
-           'ENCODER_MIN_COS', 'E2E_ROUNDS', 'regime', 'Choice', 'SpecializedLinear', 'linear_sites', 'left_out',
-           'capture_lhs', 'candidates', 'measure_site', 'pick', 'decode_pass', 'is_decoder', 'embedding', 'greedy',
-           'Reference', 'end_to_end', 'Specialized', 'format_report', 'specialize_model']
+           'UNGUARDED', 'REPORT_COLUMNS', 'AB_ROUNDS', 'SKIP_SLOWER', 'PASS_SKIP_SLOWER', 'EXTRA_BLOCK_S',
+           'PASS_ROUNDS', 'ENCODER_MIN_COS', 'E2E_ROUNDS', 'regime', 'Choice', 'SpecializedLinear', 'linear_sites',
+           'left_out', 'capture_lhs', 'candidates', 'measure_site', 'pick', 'decode_pass', 'is_decoder', 'embedding',
+           'greedy', 'Reference', 'end_to_end', 'Specialized', 'format_report', 'specialize_model']
 
 # %% ../nbs/07a_specialize.ipynb #248e0f95
 DECODE_ROWS = 16      # a call with at most this many rows (tokens × batch) is in the `decode` regime, else `prefill`
@@ -239,9 +239,11 @@ def _once(f, x):
         t = time.perf_counter(); f(x); ts.append(time.perf_counter() - t)
     return 1e3 * min(ts)
 
-def _extra(fn, guarded, x, rounds:int=2 * AB_ROUNDS)->float:
-    "What `guarded` costs over `fn`, as a share of `fn`'s time, from the fastest of `rounds` interleaved blocks each (a small extra is lost in the medians' noise; the minimum is what the work itself takes)."
-    u, g = ab_bench(fn, guarded, x, rounds=rounds, summary=min)
+EXTRA_BLOCK_S = 0.01   # a guard-cost block runs this long: a few µs on a call of 0.5 ms needs blocks of more than a few calls
+
+def _extra(fn, guarded, x, rounds:int=2 * AB_ROUNDS, repeats:int=2)->float:
+    "What `guarded` costs over `fn`, as a share of `fn`'s time: the fastest of `repeats` × `rounds` interleaved blocks of `EXTRA_BLOCK_S` each (a small extra is lost in the medians' noise; the minimum is what the work itself takes, and the repeats outlast a slow spell of the machine's allocator)."
+    u, g = map(min, zip(*[ab_bench(fn, guarded, x, block_s=EXTRA_BLOCK_S, rounds=rounds, summary=min) for _ in range(repeats)]))
     return g / u - 1
 
 def _time(mod, c, x, dense, timings, key, ab:bool=True):
