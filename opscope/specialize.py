@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .exploits import lhs_rows
-from .kernels import _row_absmax, int4_grid, INT4_GROUP, Verdict
+from .kernels import _row_absmax, int4_grid, INT4_GROUP, Verdict, SMALL_READ
 from .tables import InputError
 from .recorder import record, _call_args
 from .miner import mine, INT8_MAX_CREST
@@ -88,16 +88,18 @@ class SpecializedLinear(nn.Module):
             self._refuse(len(i), c)
         return y
     def _deferred(self, y, v):
-        "No host read and no op: the call's `Verdict` is kept as it is. A row with a NaN or Inf comes out non-finite from the kernel itself, as from the dense op (its int8 scale, or its float16 value, is not finite). Every `GUARD_READ_EVERY` guarded calls `sync` reads the kept verdicts at once."
-        self._pending.append(v)
+        "No host read. A decode-sized call (at most `SMALL_READ` rows) keeps its `Verdict` as it is, with no op; a larger one keeps its count of refused rows (one small reduction beside a large GEMM), so what waits is at most `SMALL_READ` values a call. A row with a NaN or Inf comes out non-finite from the kernel itself, as from the dense op (its int8 scale, or its float16 value, is not finite). Every `GUARD_READ_EVERY` guarded calls `sync` reads what was kept."
+        self._pending.append(v if v.g.numel() <= SMALL_READ else (~v.rows()).sum())
         if len(self._pending) >= GUARD_READ_EVERY: self.sync()
         return y
     def sync(self):
-        "Read the deferred verdicts (one host read: their rows concatenated per bound, the refusals summed); a site that refused rows falls back to the dense op."
+        "Read the deferred verdicts and counts (one host read: the kept rows concatenated per bound and their refusals counted, with the kept counts); a site that refused rows falls back to the dense op."
         if not self._pending: return 0
-        vs, self._pending, by = self._pending, [], {}
-        for v in vs: by.setdefault((v.lo, v.hi), []).append(v.g)
-        n = int(torch.stack([(~Verdict(torch.cat(gs), *lh).rows()).sum() for lh, gs in by.items()]).sum())
+        ps, self._pending, by = self._pending, [], {}
+        for v in ps:
+            if isinstance(v, Verdict): by.setdefault((v.lo, v.hi), []).append(v.g)
+        ns = [p for p in ps if not isinstance(p, Verdict)] + [(~Verdict(torch.cat(gs), *lh).rows()).sum() for lh, gs in by.items()]
+        n = int(torch.stack(ns).sum())
         if n:
             self.counts['refused_rows'] += n; self.log.append((self._calls, 'deferred', n))
             self.choices = {}
