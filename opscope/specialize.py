@@ -63,7 +63,7 @@ class SpecializedLinear(nn.Module):
         self.defer = (linear.weight.device.type != 'cpu') if defer is None else defer
         self.counts = dict(special=0, dense=0, refused_rows=0)
         self.log = deque(maxlen=256)     # (call, regime, rows refused): the last fallbacks, bounded
-        self._calls, self._pending = 0, []     # _pending: the deferred calls' `Verdict`s, not read yet
+        self._calls, self._pending = 0, []     # _pending: the deferred calls' `Verdict`s or refused-row counts, not read yet
     def forward(self, x):
         self._calls += 1
         c = self.choices.get('decode' if x.numel() <= DECODE_ROWS * self.in_features else 'prefill') if self.enabled else None
@@ -95,11 +95,12 @@ class SpecializedLinear(nn.Module):
     def sync(self):
         "Read the deferred verdicts and counts (one host read: the kept rows concatenated per bound and their refusals counted, with the kept counts); a site that refused rows falls back to the dense op."
         if not self._pending: return 0
-        ps, self._pending, by = self._pending, [], {}
-        for v in ps:
-            if isinstance(v, Verdict): by.setdefault((v.lo, v.hi), []).append(v.g)
-        ns = [p for p in ps if not isinstance(p, Verdict)] + [(~Verdict(torch.cat(gs), *lh).rows()).sum() for lh, gs in by.items()]
-        n = int(torch.stack(ns).sum())
+        ns, by = [], {}
+        for p in self._pending:
+            if isinstance(p, Verdict): by.setdefault((p.lo, p.hi), []).append(p.g)
+            else: ns.append(p)
+        self._pending = []
+        n = int(torch.stack(ns + [(~Verdict(torch.cat(gs), *lh).rows()).sum() for lh, gs in by.items()]).sum())
         if n:
             self.counts['refused_rows'] += n; self.log.append((self._calls, 'deferred', n))
             self.choices = {}
@@ -243,9 +244,13 @@ def _once(f, x):
 
 EXTRA_BLOCK_S = 0.01   # a guard-cost block runs this long: a few µs on a call of 0.5 ms needs blocks of more than a few calls
 
+def _fastest(fn, other, x, repeats:int=2, **kw)->tuple:
+    "(fn ms, other ms): the fastest of `repeats` `plan.ab_bench` runs of interleaved blocks (`kw`: its `rounds`, `block_s`). A small extra is lost in the medians' noise; the minimum is what the work itself takes, and the repeats outlast a slow spell of the machine's allocator."
+    return tuple(map(min, zip(*[ab_bench(fn, other, x, summary=min, **kw) for _ in range(repeats)])))
+
 def _extra(fn, guarded, x, rounds:int=2 * AB_ROUNDS, repeats:int=2)->float:
-    "What `guarded` costs over `fn`, as a share of `fn`'s time: the fastest of `repeats` × `rounds` interleaved blocks of `EXTRA_BLOCK_S` each (a small extra is lost in the medians' noise; the minimum is what the work itself takes, and the repeats outlast a slow spell of the machine's allocator)."
-    u, g = map(min, zip(*[ab_bench(fn, guarded, x, block_s=EXTRA_BLOCK_S, rounds=rounds, summary=min) for _ in range(repeats)]))
+    "What `guarded` costs over `fn`, as a share of `fn`'s time: `_fastest` of `repeats` × `rounds` blocks of `EXTRA_BLOCK_S` each."
+    u, g = _fastest(fn, guarded, x, repeats, rounds=rounds, block_s=EXTRA_BLOCK_S)
     return g / u - 1
 
 def _time(mod, c, x, dense, timings, key, ab:bool=True):
