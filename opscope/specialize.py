@@ -63,7 +63,7 @@ class SpecializedLinear(nn.Module):
         self.defer = (linear.weight.device.type != 'cpu') if defer is None else defer
         self.counts = dict(special=0, dense=0, refused_rows=0)
         self.log = deque(maxlen=256)     # (call, regime, rows refused): the last fallbacks, bounded
-        self._calls, self._pending = 0, []     # _pending: the deferred calls' `Verdict`s or refused-row counts, not read yet
+        self._calls, self._pending = 0, []     # _pending: the deferred calls' `Verdict`s or (admitted-row count, rows), not read yet
     def forward(self, x):
         self._calls += 1
         c = self.choices.get('decode' if x.numel() <= DECODE_ROWS * self.in_features else 'prefill') if self.enabled else None
@@ -88,19 +88,22 @@ class SpecializedLinear(nn.Module):
             self._refuse(len(i), c)
         return y
     def _deferred(self, y, v):
-        "No host read. A decode-sized call (at most `SMALL_READ` rows) keeps its `Verdict` as it is, with no op; a larger one keeps its count of refused rows (one small reduction beside a large GEMM), so what waits is at most `SMALL_READ` values a call. A row with a NaN or Inf comes out non-finite from the kernel itself, as from the dense op (its int8 scale, or its float16 value, is not finite). Every `GUARD_READ_EVERY` guarded calls `sync` reads what was kept."
-        self._pending.append(v if v.g.numel() <= SMALL_READ else (~v.rows()).sum())
+        "No host read. A decode-sized call (at most `SMALL_READ` rows) keeps its `Verdict` as it is, with no op; a larger one keeps its count of admitted rows and its number of rows (a compare and a sum beside a large GEMM), so what waits is at most `SMALL_READ` values a call. A row with a NaN or Inf comes out non-finite from the kernel itself, as from the dense op (its int8 scale, or its float16 value, is not finite). Every `GUARD_READ_EVERY` guarded calls `sync` reads what was kept."
+        n = v.g.numel()
+        self._pending.append(v if n <= SMALL_READ else (v.rows().sum(), n))
         if len(self._pending) >= GUARD_READ_EVERY: self.sync()
         return y
     def sync(self):
-        "Read the deferred verdicts and counts (one host read: the kept rows concatenated per bound and their refusals counted, with the kept counts); a site that refused rows falls back to the dense op."
+        "Read the deferred verdicts and counts (one host read: the kept rows concatenated per bound and their admitted rows counted, with the kept counts; refused = rows − admitted); a site that refused rows falls back to the dense op."
         if not self._pending: return 0
-        ns, by = [], {}
+        ns, rows, by = [], 0, {}
         for p in self._pending:
             if isinstance(p, Verdict): by.setdefault((p.lo, p.hi), []).append(p.g)
-            else: ns.append(p)
+            else: ns.append(p[0]); rows += p[1]
         self._pending = []
-        n = int(torch.stack(ns + [(~Verdict(torch.cat(gs), *lh).rows()).sum() for lh, gs in by.items()]).sum())
+        for lh, gs in by.items():
+            g = torch.cat(gs); rows += g.numel(); ns.append(Verdict(g, *lh).rows().sum())
+        n = rows - int(torch.stack(ns).sum())   # a NaN row is never admitted
         if n:
             self.counts['refused_rows'] += n; self.log.append((self._calls, 'deferred', n))
             self.choices = {}
