@@ -73,28 +73,34 @@ def _int8_weights(w, outliers=None):
     wq = (wi / sw[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
     return wq, sw, out, (w.index_select(1, out).t().contiguous() if len(out) else None)   # the outlier channels' float weight
 
+def _int8_graph(split:bool, bias:bool, guard:bool, absmax=_row_absmax):
+    "`kernel_int8`'s per-call arithmetic as one function of its tensors, (x, wq, sw[, b][, out, wo]) -> (y[, ‖x/s‖ per row]): run as eager ops, or traced for `fused_int8` (with an `absmax` that has no size test)."
+    def f(x, wq, sw, *rest):
+        xi = x.index_fill(1, rest[-2], 0) if split else x
+        s = (absmax(xi) / 127).clamp_min_(1e-30)
+        xs = xi / s                                      # every row's absmax at 127: ‖row‖ = 127·√K / crest
+        g = torch.linalg.vector_norm(xs, 2, 1) if guard else None
+        y = torch._int_mm(xs.round_().to(torch.int8), wq).float().mul_(s).mul_(sw)   # |x/s| ≤ 127 by construction: no clamp
+        if split: y.addmm_(x.index_select(1, rest[-2]), rest[-1])
+        if bias: y.add_(rest[0])
+        return (y, g) if guard else (y,)
+    return f
+
 def kernel_int8(w, b, outliers=None):
     "int8 GEMM through `torch._int_mm`: a dynamic scale per lhs row × one per weight channel; the `outliers` lhs channels (an LLM.int8()-style split) stay float32. `rows(x, limit)` also returns the guard's `Verdict`: a row is admitted when finite, not all zero, and its crest (absmax·√K/‖row‖, after the split) is at most `limit`. A float32 call on the CPU runs as one compiled graph (`fused_int8`), any other as the eager ops."
     wq, sw, out, wo = _int8_weights(w, outliers)
     b = b.detach() if b is not None else None
-    c127, split = 127 * math.sqrt(w.shape[1]), wo is not None
-    args = ((b,) if b is not None else ()) + ((out, wo) if split else ())   # the fused graph's inputs after (x, wq, sw)
+    c127, split, bias = 127 * math.sqrt(w.shape[1]), wo is not None, b is not None
+    args = (wq, sw) + ((b,) if bias else ()) + ((out, wo) if split else ())   # the graph's inputs after x
+    eager = {guard: _int8_graph(split, bias, guard) for guard in (False, True)}
     fusable = w.device.type == 'cpu' and w.dtype == torch.float32
     def rows(x, limit=None):
+        guard, f = limit is not None, None
         if fusable and FUSE_INT8 and type(x) is torch.Tensor and x.dtype == torch.float32 and x.shape[0] and not x.requires_grad \
                 and not torch._C._len_torch_dispatch_stack() and not torch.compiler.is_compiling():   # not under a tracer (make_fx, export, Dynamo): it sees the eager ops
-            f = fused_int8(split, b is not None, limit is not None)
-            if f is not None:
-                r = f(x.contiguous(), wq, sw, *args)
-                return r[0], (None if limit is None else Verdict(r[1], c127 / limit))
-        xi = x.index_fill(1, out, 0) if split else x
-        s = (_row_absmax(xi) / 127).clamp_min_(1e-30)
-        xs = xi / s                                      # every row's absmax at 127: ‖row‖ = 127·√K / crest
-        ok = None if limit is None else Verdict(torch.linalg.vector_norm(xs, 2, 1), c127 / limit)
-        y = torch._int_mm(xs.round_().to(torch.int8), wq).float().mul_(s).mul_(sw)   # |x/s| ≤ 127 by construction: no clamp
-        if split: y.addmm_(x.index_select(1, out), wo)
-        if b is not None: y.add_(b)
-        return y, ok
+            f = fused_int8(split, bias, guard)
+        r = f(x.contiguous(), *args) if f is not None else eager[guard](x, *args)
+        return r[0], (Verdict(r[1], c127 / limit) if guard else None)
     return Kernel(lambda x: rows(x)[0], wq.numel() + sw.numel() * sw.element_size() + (wo.numel() * wo.element_size() if split else 0), False, rows)
 
 # %% ../nbs/02d_kernels.ipynb #a1f7e2c1
@@ -102,17 +108,9 @@ FUSE_INT8 = True   # float32 int8 calls on a CPU run as one graph compiled by In
 
 _FUSED = {}   # (split, bias, guard, threads) -> the compiled graph, or None where it could not be compiled
 
-def _int8_graph(split:bool, bias:bool, guard:bool):
-    "`kernel_int8`'s arithmetic as one function of its tensors (x, wq, sw[, b][, out, wo]) -> (y[, ‖x/s‖ per row]), written without in-place ops or size tests, to be traced."
-    def f(x, wq, sw, *rest):
-        xi = x.index_fill(1, rest[-2], 0) if split else x
-        s = (xi.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
-        xs = xi / s
-        y = torch._int_mm(xs.round().to(torch.int8), wq).float() * s * sw
-        if split: y = y.addmm(x.index_select(1, rest[-2]), rest[-1])
-        if bias: y = y + rest[0]
-        return (y, torch.linalg.vector_norm(xs, 2, 1)) if guard else (y,)
-    return f
+def _absmax_traced(x):
+    "Each row's largest |x|, as a column: `_row_absmax` without its size test (a traced graph keeps no check of such a test at call time)."
+    return x.abs().amax(1, keepdim=True)
 
 def _int8_inputs(M:int, K:int, N:int, split:bool, bias:bool, seed:int=0)->list:
     "Sample inputs of `_int8_graph` (x, and the weight side as `kernel_int8` prepares it), of sizes M × K → N."
@@ -121,13 +119,13 @@ def _int8_inputs(M:int, K:int, N:int, split:bool, bias:bool, seed:int=0)->list:
     return [torch.randn(M, K, generator=g), wq, sw] + ([torch.randn(N, generator=g)] if bias else []) + ([out, wo] if split else [])
 
 def _compile_int8(split:bool, bias:bool, guard:bool):
-    "Trace `_int8_graph` with every size symbolic (M, K, N, the outlier count) and compile it with Inductor; check it against the eager function on other sizes."
+    "Trace `_int8_graph` with every size symbolic (M, K, N, the outlier count) and compile it with Inductor; check it against the eager ops on other sizes."
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv, StatelessSymbolicContext, DimDynamic
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch._guards import tracing, TracingContext
     from torch._inductor import compile as inductor_compile
-    f = _int8_graph(split, bias, guard)
+    f, eager = _int8_graph(split, bias, guard, _absmax_traced), _int8_graph(split, bias, guard)
     fm = FakeTensorMode(shape_env=ShapeEnv())
     sym = lambda t: fm.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim()))
     ex = [sym(t) for t in _int8_inputs(5, 48, 40, split, bias)]      # distinct sizes: equal sample sizes would be traced as one symbol
@@ -139,7 +137,7 @@ def _compile_int8(split:bool, bias:bool, guard:bool):
             with tracing(TracingContext(fm)): cf = inductor_compile(gm, ex)
             for M, K, N in ((1, 64, 24), (9, 32, 72)):                # other sizes than traced, one row among them
                 xs = _int8_inputs(M, K, N, split, bias, seed=M)
-                for a, e in zip(cf(*xs), f(*xs)):
+                for a, e in zip(cf(*xs), eager(*xs)):
                     if a.shape != e.shape or not torch.allclose(a, e, rtol=1e-4, atol=1e-4 * float(e.abs().max())):
                         raise RuntimeError(f'the compiled graph disagrees with the eager ops at {M} × {K} → {N}')
     finally: log.setLevel(level)
@@ -152,7 +150,7 @@ def fused_int8(split:bool, bias:bool, guard:bool):
         try: _FUSED[key] = _compile_int8(split, bias, guard)
         except Exception as e:
             _FUSED[key] = None
-            warnings.warn(f"kernel_int8: runs as eager ops; Inductor could not compile its fused graph ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})")
+            warnings.warn(f"kernel_int8: runs as eager ops; Inductor could not compile its fused graph ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})")
     return _FUSED[key]
 
 # %% ../nbs/02d_kernels.ipynb #357ab02d
