@@ -4,28 +4,29 @@
 
 # %% ../nbs/09_cli.ipynb #d15a85aa
 from __future__ import annotations
-import contextlib, inspect, math, os, re, signal, sys, warnings
+import contextlib, inspect, math, os, re, shutil, signal, sys, warnings
 from pathlib import Path
 from .harness import (Interrupted, CliError, cli_errors, stop_signals, signals_wait, kebab_options, command, console,
                              check_whole_out, _probe_writable,
                              _STATE, _stopped)   # first: a console script's signals are opscope's before the slow imports
 
 # %% auto #0
-__all__ = ['PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'SEED_MAX', 'SWEEP_MAX_STEPS',
-           'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS', 'MAX_CHAIN', 'INFER_MAX_STEPS', 'MAX_NEW_TOKENS',
-           'NEW_TOKENS_WHY', 'BENCH_MAX_ROWS', 'BENCH_ROW_BYTES', 'SPECIALIZE_MAX_BATCH', 'opscope_probe',
-           'opscope_shapes', 'check_recording_out', 'recording', 'in_range', 'positive', 'machine_memory',
-           'fits_memory', 'gemm_memory', 'check_gemm_memory', 'opscope_sweep', 'record_to', 'opscope_seq',
-           'opscope_mnist', 'opscope_motifs', 'opscope_flow', 'opscope_graph', 'opscope_docs_preview', 'opscope_plan',
-           'opscope_infer', 'opscope_bench', 'decode_options', 'opscope_record', 'opscope_specialize']
+__all__ = ['PROBE_MAX_BATCH', 'PROBE_WHY', 'SHAPES_MAX_BATCH', 'RECORDING_SUFFIXES', 'COMBINE_NOTE_STEPS', 'SEED_MAX',
+           'SWEEP_MAX_STEPS', 'SWEEP_STEP_BYTES', 'DISK_NOTE_BYTES', 'SEQ_MAX_STEPS', 'MNIST_MAX_BATCHES', 'MAX_LAYERS',
+           'MAX_CHAIN', 'INFER_MAX_STEPS', 'MAX_NEW_TOKENS', 'NEW_TOKENS_WHY', 'BENCH_MAX_ROWS', 'BENCH_ROW_BYTES',
+           'SPECIALIZE_MAX_BATCH', 'opscope_probe', 'opscope_shapes', 'check_recording_out', 'recording', 'in_range',
+           'positive', 'machine_memory', 'memory_limit', 'fits_memory', 'fits_disk', 'gemm_memory', 'check_gemm_memory',
+           'opscope_sweep', 'record_to', 'opscope_seq', 'opscope_mnist', 'opscope_motifs', 'opscope_flow',
+           'opscope_graph', 'opscope_docs_preview', 'opscope_plan', 'opscope_infer', 'opscope_bench', 'decode_options',
+           'opscope_record', 'opscope_specialize']
 
 # %% ../nbs/09_cli.ipynb #d15a85aa-s2
 import numpy as np, pandas as pd
 from .mine_cli import format_findings, opscope_mine   # `opscope-mine` itself runs from mine_cli, without torch
 from fastcore.script import Param
-from .tables import atomic_write
+from .tables import atomic_write, shown
 from .zoo import MODELS, INFER_MODELS, model_names, get_model, infer_workload
-from .recorder import Recorder, COMMIT_SUFFIX, record, read_sketches, sweep, SWEEP_SHAPES
+from .recorder import Recorder, COMMIT_SUFFIX, writer_of, record, read_sketches, sweep, SWEEP_SHAPES
 from .miner import mine, confirm_low_rank, KEYS, INFER_EXPLOITS
 from .probe import model_tensors, probe, probe_report, save_tensors, sweep_ranks, PROBE_MODELS
 from .shapes import shapes_model, op_costs, roofline, shapes_report
@@ -113,25 +114,36 @@ def _leftovers(p:Path)->list:
     return [q for q in [p] + extra if q.exists() and not (q.is_dir() and not any(q.iterdir()))] + _temp_files(p)
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s2
+def _not_a_link(out:str):
+    "Refuse an OUT that is a symbolic link, dangling or not: opscope never writes through one (a link could aim a recording, or `--force`, at any file)."
+    p = Path(out.rstrip('/' + os.sep) or out)
+    if p.is_symlink():
+        raise CliError(f"{shown(out)} is a symbolic link (to {shown(os.readlink(p))}); opscope never writes through a link: remove it or choose another OUT")
+
 def check_recording_out(out:str, # the recording CLI's OUT argument
                         force:bool=False, # replace what is there instead of refusing
                        )->tuple:
-    "`(path, is_dataset)` for a recording's OUT, refused up front when it cannot be written, is a folder named like a file, or (without `force`) already exists."
-    p, slash = Path(out), out.endswith(('/', os.sep))
+    "`(path, is_dataset)` for a recording's OUT, refused up front when it is a link, another writer is recording into it, it cannot be written, is a folder named like a file or a file named like a folder, or (without `force`) already exists."
+    p, slash, q = Path(out), out.endswith(('/', os.sep)), shown(out)
+    _not_a_link(out)
     if p.suffix.lower() in RECORDING_SUFFIXES and (slash or p.is_dir()):
-        raise CliError(f"{out}: a {p.suffix.lower()} OUT is a file, but {'the path ends in /' if slash else 'a folder has that name'}; "
+        raise CliError(f"{q}: a {p.suffix.lower()} OUT is a file, but {'the path ends in /' if slash else 'a folder has that name'}; "
                        "a dataset directory has no extension")
     dataset = slash or p.suffix == '' or p.is_dir()
     if not dataset and p.suffix.lower() not in RECORDING_SUFFIXES:
-        raise CliError(f"{out}: output must be a .csv or .parquet file, or a dataset directory (a trailing / or no extension)")
+        raise CliError(f"{q}: output must be a .csv or .parquet file, or a dataset directory (a trailing / or no extension)")
     parent = p.parent if p.parent != Path('') else Path('.')
-    if not parent.is_dir(): raise CliError(f"{out}: folder {parent} does not exist")
+    if not parent.is_dir(): raise CliError(f"{q}: folder {shown(parent)} does not exist")
+    pid = writer_of(p)
+    if pid: raise CliError(f"{q}: another writer (pid {pid}) is recording into it; wait for it to finish, or choose another OUT")
+    if dataset and p.exists() and not p.is_dir():       # refused even with --force: a dataset never replaces some other file
+        raise CliError(f"{q} is a file, but an OUT without extension is a dataset directory; remove it or choose another OUT")
     old = _leftovers(p)
-    if old and not force: raise CliError(f"{out} already exists ({', '.join(q.name for q in old)}); pass --force to replace it")
+    if old and not force: raise CliError(f"{q} already exists ({', '.join(shown(q.name) for q in old)}); pass --force to replace it")
     if dataset and p.is_dir():
         alien = [q.name for q in p.iterdir() if not q.name.startswith(('.', '_', 'run_id='))]
-        if alien: raise CliError(f"{out}: a folder that is not an opscope dataset (holds {alien[0]}); choose another OUT")
-    elif p.exists() and not p.is_file(): raise CliError(f"{out} exists and is not a file")
+        if alien: raise CliError(f"{q}: a folder that is not an opscope dataset (holds {shown(alien[0])}); choose another OUT")
+    elif p.exists() and not p.is_file(): raise CliError(f"{q} exists and is not a file")
     _probe_writable(parent)
     if dataset and p.is_dir(): _probe_writable(p)
     return p, dataset
@@ -142,11 +154,18 @@ class _Stepwise(Recorder):
     def write(self, df):
         with signals_wait(): return super().write(df)
 
-def _close(rec:Recorder, out:str):
-    "Close `rec` with signals waiting (closing is the commit), noting what OUT kept: its steps, and where — OUT, or the parts folder when a signal stopped the final combine."
+COMBINE_NOTE_STEPS = 200   # a Parquet OUT of more steps says so on stderr while its parts are combined (a few ms a step)
+
+def _close(rec:Recorder, out:str, prog:str=None):
+    "Close `rec` with signals waiting (closing is the commit), noting what OUT kept: its steps, and where — OUT, or the parts folder when a signal or a full disk stopped the final combine."
     armed, _STATE.armed = _STATE.armed, False
-    try: rec.close(); where = out
-    except Interrupted: where = f"{rec.parts} (a signal stopped combining them into {out}; opscope-mine {out} reads them)"
+    n = len(list(rec.parts.glob('part-*.parquet'))) if rec.fmt == 'parquet' and rec._opened and rec.parts.is_dir() else 0
+    if prog and n >= COMBINE_NOTE_STEPS: print(f"{prog}: combining {n:,} steps into {shown(out)}", file=sys.stderr, flush=True)
+    try: rec.close(); where = shown(out)
+    except Interrupted: where = f"{shown(rec.parts)} (a signal stopped combining them into {shown(out)}; opscope-mine {shown(out)} reads them)"
+    except OSError as e:
+        if not n: raise
+        raise CliError(f"{shown(out)}: {e.strerror or e}; the {n:,} finished steps are in {shown(rec.parts)} (opscope-mine {shown(out)} reads them)") from None
     finally: _STATE.armed = armed
     _STATE.kept = (rec.steps, where)
 
@@ -156,18 +175,21 @@ def recording(out:str, # OUT: a .csv or .parquet file, or a dataset directory
               prog:str, # the command's name, for the interrupt message
               force:bool=False, # replace an existing OUT (and remove a killed run's temporary files)
              ):
-    "A `Recorder` streaming into OUT (checked first): a signal closes it, keeping every finished step, and ends the command with one line and exit 130 / 143."
+    "A `Recorder` streaming into OUT (checked first, and locked: a second writer is refused): a signal closes it, keeping every finished step, and ends the command with one line and exit 130 / 143."
     p, dataset = check_recording_out(out, force)
-    if force:
-        for q in _temp_files(p): q.unlink(missing_ok=True)
-    rec = _Stepwise(p, dataset=dataset)
+    rec = _Stepwise(p, dataset=dataset).lock()       # held until closed: no other writer clears or mixes into OUT
+    try:
+        check_recording_out(out, force)              # again, under the lock: what a writer that just finished left is not replaced without --force
+        if force:
+            for q in _temp_files(p): q.unlink(missing_ok=True)
+    except BaseException: rec.close(); raise
     with stop_signals():
         try: yield rec
         except OSError as e:                         # a full disk mid-run: say where
-            if e.filename is None: raise OSError(e.errno, e.strerror, str(out)) from None
+            if e.filename is None: raise OSError(e.errno, e.strerror, shown(out)) from None
             raise
         except (KeyboardInterrupt, Interrupted) as e: _STATE.signum = _STATE.signum or getattr(e, 'signum', signal.SIGINT)
-        finally: _close(rec, out)
+        finally: _close(rec, out, prog)
         if _STATE.signum is not None: raise _stopped(prog, out)
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s7
@@ -196,12 +218,53 @@ def machine_memory()->int:
     try: return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
     except (AttributeError, ValueError, OSError): return 0
 
+def _cgroup_limits(root:Path=Path('/sys/fs/cgroup'))->list:
+    "The memory limits (bytes) of this process's cgroup and its ancestors, v2 `memory.max` or v1 `memory.limit_in_bytes`; none where unset or unreadable."
+    try: lines = Path('/proc/self/cgroup').read_text().splitlines()
+    except OSError: return []
+    files = []
+    for line in lines:
+        _, ctrls, where = (line.split(':', 2) + ['', ''])[:3]
+        base, name = (root, 'memory.max') if ctrls == '' else (root / 'memory', 'memory.limit_in_bytes') if 'memory' in ctrls.split(',') else (None, None)
+        if base is None: continue
+        d = base / where.lstrip('/')
+        files += [q / name for q in (d, *d.parents) if q == base or base in q.parents]
+    got = []
+    for f in dict.fromkeys(files):
+        try: v = f.read_text().strip()
+        except OSError: continue
+        if v.isdigit() and int(v) < 2**60: got.append(int(v))   # `max`, or v1's "no limit" (2^63 rounded to a page)
+    return got
+
+def memory_limit()->tuple:
+    "`(bytes, what)`: the least of what this process may use — physical memory, its cgroup's limit, `RLIMIT_AS`, `RLIMIT_DATA` — and which it is; `(0, '')` where none is known."
+    have = [(machine_memory(), "this machine's"), *((b, 'the cgroup memory limit (memory.max) of') for b in _cgroup_limits())]
+    try:
+        import resource
+        for r, name in ((resource.RLIMIT_AS, 'RLIMIT_AS'), (resource.RLIMIT_DATA, 'RLIMIT_DATA')):
+            soft = resource.getrlimit(r)[0]
+            if soft != resource.RLIM_INFINITY and soft > 0: have.append((soft, f'the {name} limit (ulimit) of'))
+    except (ImportError, ValueError, OSError): pass
+    have = [h for h in have if h[0] > 0]
+    return min(have) if have else (0, '')
+
 def fits_memory(need:float, # bytes the work will hold at once (an estimate)
                 what:str, # what needs them, for the message
                )->float:
-    "`need`, or a `CliError` stating the estimate when it exceeds this machine's memory: refused before anything is allocated."
-    have, gib = machine_memory(), lambda b: f"{b / 2**30:,.1f} GiB"
-    if have and need > have: raise CliError(f"{what} needs about {gib(need)} of memory, more than this machine's {gib(have)}")
+    "`need`, or a `CliError` stating the estimate when it exceeds the memory this process may use (`memory_limit`): refused before anything is allocated."
+    (have, which), gib = memory_limit(), lambda b: f"{b / 2**30:,.1f} GiB"
+    if have and need > have: raise CliError(f"{what} needs about {gib(need)} of memory, more than {which} {gib(have)}")
+    return need
+
+def fits_disk(need:float, # bytes the work will write (an estimate)
+              where:Path, # where: the OUT (its folder's filesystem is asked)
+              what:str, # what needs them, for the message
+             )->float:
+    "`need`, or a `CliError` stating the estimate when it exceeds the free space of `where`'s filesystem: refused before anything is written."
+    d = where if where.is_dir() else (where.parent if where.parent != Path('') else Path('.'))
+    try: free = shutil.disk_usage(d).free
+    except OSError: return need
+    if need > free: raise CliError(f"{what} needs about {need / 1e9:,.1f} GB on disk, more than the {free / 1e9:,.1f} GB free at {shown(d)}")
     return need
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-sb
@@ -220,6 +283,9 @@ def check_gemm_memory(shapes:pd.DataFrame, # columns M, K, N: one row per GEMM t
     fits_memory(need[i], f"{what} {t.index[i]} (M={M:,.0f}, K={K:,.0f}, N={N:,.0f})")
 
 # %% ../nbs/09_cli.ipynb #2b37da4e-s9
+SWEEP_STEP_BYTES = dict(csv=10.5e6, parquet=2.0e6, dataset=1.2e6)   # disk a sweep step takes at most (28 runs; Parquet: its part and its share of the combined file, both there at the close); tests/test_hostile_outputs.py checks these against a real step
+DISK_NOTE_BYTES = 1e9   # a sweep that will write more says how much on stderr before it starts
+
 @command(records=True)
 def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or a dataset directory (trailing / or no extension)
                   steps:int=4, # calls per (shape, distribution) run (1 to 100,000)
@@ -231,6 +297,10 @@ def opscope_sweep(out:str, # the sketches to write: a .csv or .parquet file, or 
     with cli_errors('opscope-sweep'):
         in_range('--steps', steps, 1, SWEEP_MAX_STEPS, "each step is a fresh call of all 28 runs")
         in_range('--seed', seed, 0, SEED_MAX - SWEEP_MAX_STEPS)
+        p, dataset = check_recording_out(out, force)
+        fmt = 'dataset' if dataset else p.suffix.lower().lstrip('.')
+        need = fits_disk(steps * SWEEP_STEP_BYTES[fmt], p, f"{shown(out)}: {steps:,} sweep steps as {fmt} ({SWEEP_STEP_BYTES[fmt] / 1e6:.1f} MB a step)")
+        if need >= DISK_NOTE_BYTES: print(f"opscope-sweep: about {need / 1e9:,.1f} GB to write to {shown(out)}", file=sys.stderr, flush=True)
         with recording(out, 'opscope-sweep', force) as rec:
             r = sweep(rec, steps=steps, seed=seed, progress=not quiet)
         print(f"wrote {r.rows:,} rows: {len(r.run_ids)} runs × {steps} steps, "
@@ -366,12 +436,13 @@ def opscope_plan(inp:str, # a sketches file (.csv or .parquet) from record / ops
                  out:str=None, # also write the plan table here (.csv)
                  seed:int=0, # seed of the benchmark data drawn to match each sketch (0 to 4,294,967,295)
                  exploits:str=None, # plan only these (comma list; default: every registered exploit with a kernel)
+                 force:bool=False, # replace an existing --out
                 ):
     "Plan specialized kernels for a sketches file: guard, its stability, estimated and measured speedup."
     with cli_errors('opscope-plan'):
         in_range('--seed', seed, 0, SEED_MAX)
         names = _plan_exploits(exploits, planned())
-        if out is not None: check_whole_out(out)
+        if out is not None: check_whole_out(out, force=force, inputs=(inp,))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
             sketches = read_sketches(inp)
@@ -402,7 +473,7 @@ def opscope_infer(out:str, # the sketches to write: a .csv or .parquet file, or 
                   model:str=None, # transformer, moe or minilm (default: all three), or FILE.py:FACTORY
                   steps:int=2, # batches per model (1 to 256)
                   force:bool=False, # replace an existing OUT
-                  hf:str=None, # a local Hugging Face folder instead (with --prompts); --model may also be FILE.py:FACTORY
+                  hf:str=None, # a local Hugging Face folder or .gguf file instead (with --prompts); --model may also be FILE.py:FACTORY
                   prompts:str=None, # with --hf: a text file, one prompt per line
                   max_new_tokens:int=8, # with --hf and a decoder: tokens generated (1 to 4,096)
                   every:int=1, # with --hf and a decoder: record the prefill and every N-th decode step (1 to 4,096)
@@ -475,7 +546,8 @@ def _user_job(model, hf, prompts, max_new_tokens, keep, every=1, vectors=None):
     sampled = every != 1 or vectors is not None
     if hf is not None:
         if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
-        texts, loaded = read_prompts(prompts), load_hf(hf)      # loaded once, before OUT is touched
+        texts = read_prompts(prompts)
+        loaded = load_hf(hf, texts, max_new_tokens)      # loaded once, before OUT is touched; the prompts' length checked before the weights
         if sampled and not loaded[2]: raise CliError(f"{hf}: an encoder records every batch whole; --every and --vectors go with a decoder")
         return Path(hf).name, lambda sink: record_hf(hf, texts, sink, max_new_tokens=max_new_tokens, loaded=loaded, keep=keep,
                                                      every=every, vectors=vectors)
@@ -494,7 +566,7 @@ def _counts(r)->str:
 @command(records=True)
 def opscope_record(out:str, # the sketches to write: .csv, .parquet, or a dataset directory
                    model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
-                   hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
+                   hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer), a .gguf file, or a folder holding one
                    prompts:str=None, # with --hf: a text file, one prompt per line
                    max_new_tokens:int=8, # with --hf and a decoder: tokens generated, one recorded step each (1 to 4,096)
                    force:bool=False, # replace an existing OUT
@@ -525,7 +597,7 @@ def _infer_user(out, model, hf, prompts, max_new_tokens, force, every=1, vectors
 # %% ../nbs/09_cli.ipynb #472a0b90
 SPECIALIZE_MAX_BATCH = 256   # prompts per batch: more is a typo (the calibration captures every layer's input)
 
-def _specialize_inputs(model, hf, prompts, holdout, batch):
+def _specialize_inputs(model, hf, prompts, holdout, batch, max_new_tokens=0):
     "(model, calibration batches, held-out batches or None) for --model or --hf, checked before any work."
     if (model is None) == (hf is None): raise CliError("give one of --model FILE.py:FACTORY or --hf DIR")
     if hf is None:
@@ -534,7 +606,7 @@ def _specialize_inputs(model, hf, prompts, holdout, batch):
         return m, batches, None
     if prompts is None: raise CliError("--hf needs --prompts FILE (one prompt per line)")
     texts, held = read_prompts(prompts), (read_prompts(holdout) if holdout is not None else None)
-    m, tok, dec = load_hf(hf)
+    m, tok, dec = load_hf(hf, texts + (held or []), max_new_tokens)
     if dec:
         tok.padding_side = 'left'
         if tok.pad_token is None: tok.pad_token = tok.eos_token or tok.unk_token
@@ -542,9 +614,11 @@ def _specialize_inputs(model, hf, prompts, holdout, batch):
     return m, enc(texts), (enc(held) if held else None)
 
 # %% ../nbs/09_cli.ipynb #47ae4197
+from .saved import check_save_dir   # importing it also attaches `Specialized.save`
+
 @command
 def opscope_specialize(model:str=None, # FILE.py:FACTORY, FACTORY returning (model, batches)
-                       hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer)
+                       hf:str=None, # a local Hugging Face folder (config, safetensors weights, tokenizer), a .gguf file, or a folder holding one
                        prompts:str=None, # with --hf: calibration prompts, one per line
                        holdout:str=None, # with --hf: held-out prompts, one per line (default: the last third of --prompts)
                        tolerance:float=None, # encoder: smallest embedding cosine (default 0.995); decoder: share of greedy answers equal to the original's (default: whole-model bf16's); 0 to 1
@@ -552,6 +626,7 @@ def opscope_specialize(model:str=None, # FILE.py:FACTORY, FACTORY returning (mod
                        batch:int=4, # with --hf: prompts per batch (1 to 256)
                        threads:int=1, # torch threads for the end-to-end timing (1 to this machine's CPU count)
                        out:str=None, # also write the report here (.csv)
+                       save:str=None, # also save the plan to this folder: `opscope.load_specialized(model, DIR)` applies it again without calibration
                       ):
     "Specialize a user's model end to end — record, mine, measure every kernel per layer, apply, check on held-out inputs — and print what was chosen, the speedup and the error."
     with cli_errors('opscope-specialize'):
@@ -559,9 +634,13 @@ def opscope_specialize(model:str=None, # FILE.py:FACTORY, FACTORY returning (mod
         in_range('--max-new-tokens', max_new_tokens, 1, MAX_NEW_TOKENS, NEW_TOKENS_WHY); in_range('--batch', batch, 1, SPECIALIZE_MAX_BATCH)
         in_range('--threads', threads, 1, os.cpu_count() or 1, "this machine's CPUs")
         if out is not None: check_whole_out(out)
-        m, calib, held = _specialize_inputs(model, hf, prompts, holdout, batch)
+        if save is not None: check_save_dir(save)
+        m, calib, held = _specialize_inputs(model, hf, prompts, holdout, batch, max_new_tokens)
         res = specialize_model(m, calib, holdout=held, tolerance=tolerance, max_new_tokens=max_new_tokens, threads=threads, progress=True)
         print(format_report(res))
         if out is not None:
             with atomic_write(out) as tmp: res.report.to_csv(tmp, index=False)
             print(f"\n{len(res.report)} report rows → {out}")
+        if save is not None:
+            res.save(save)
+            print(f"\nplan → {save} (opscope.load_specialized(model, {str(save)!r}) applies it again)")

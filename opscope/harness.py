@@ -4,7 +4,7 @@
 
 # %% ../nbs/09a_harness.ipynb #b3432507
 from __future__ import annotations
-import argparse, contextlib, functools, inspect, os, signal, sys, tempfile, threading, types
+import argparse, contextlib, functools, inspect, os, signal, sys, tempfile, threading, types, warnings
 from pathlib import Path
 
 # %% auto #0
@@ -46,7 +46,7 @@ if Path(getattr(sys.modules.get('__main__'), '__file__', None) or '').name.start
 
 # %% ../nbs/09a_harness.ipynb #58d8d5e3
 from fastcore.script import anno_parser
-from .tables import InputError
+from .tables import InputError, shown
 
 # %% ../nbs/09a_harness.ipynb #3615fb9d
 class CliError(Exception):
@@ -58,14 +58,24 @@ EXPECTED_ERRORS = (CliError, InputError, OSError, ImportError, NotImplementedErr
 def _message(e:BaseException)->str:
     "The one line printed for an expected error: an OS error as `path: reason`."
     if isinstance(e, OSError) and e.strerror:
-        where = ' → '.join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        where = ' → '.join(shown(p) for p in (e.filename, e.filename2) if p is not None)
         return f"{where}: {e.strerror}" if where else e.strerror
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 # %% ../nbs/09a_harness.ipynb #3615fb9d-s2
 @contextlib.contextmanager
 def cli_errors(prog:str): # the command's name, printed before the message
-    "Turn input and environment failures inside the block into one line on stderr and `SystemExit(2)`; a bug keeps its traceback."
+    "Turn input and environment failures inside the block into one line on stderr and `SystemExit(2)`, and each warning into one `prog: warning:` line (no source line); a bug keeps its traceback."
+    seen = set()
+    def show(message, *_, **__):        # a warning from any engine (DuckDB, Dask, pyarrow) reads as the command's own line, once
+        line = f"{prog}: warning: {str(message).strip().splitlines()[0] if str(message).strip() else type(message).__name__}"
+        if line not in seen: seen.add(line); print(line, file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        with _one_line(prog): yield
+
+@contextlib.contextmanager
+def _one_line(prog):
     try: yield
     except BrokenPipeError:                       # `opscope-mine x.csv | head`: the reader left, not an error
         sys.stderr.close(); raise SystemExit(0)
@@ -81,16 +91,29 @@ def _probe_writable(folder:Path):
     except OSError as e: raise CliError(f"{folder}: cannot write there ({e.strerror or e})") from None
 
 # %% ../nbs/09a_harness.ipynb #bdb9872d
+def _same_or_inside(p:Path, inp)->bool:
+    "Whether the output `p` is the input `inp`, or lies inside it (a dataset folder)."
+    a, b = p.resolve(), Path(inp).resolve()
+    if a == b or b in a.parents: return True
+    try: return p.exists() and os.path.samefile(p, inp)    # a hard link to it
+    except OSError: return False
+
 def check_whole_out(out:str, # a small whole-file output (findings, a plan), written with `atomic_write`
                     suffix:str='.csv', # the extension it must have
+                    force:bool=None, # False: an existing OUT is refused (pass --force to replace it); None: replaced
+                    inputs:tuple=(), # the command's inputs: OUT may be none of them, nor inside one
                    )->Path:
-    "OUT for a findings or plan table, refused up front when it has the wrong extension, is a folder (or ends in /) or its folder cannot be written."
-    p = Path(out)
-    if str(out).endswith(('/', os.sep)): raise CliError(f"{out}: a {suffix} file's path cannot end in /")
-    if p.suffix.lower() != suffix: raise CliError(f"{out}: --out must be a {suffix} file")
+    "OUT for a findings or plan table, refused up front when it has the wrong extension, is a link, a folder (or ends in /), one of the inputs, exists (unless `force` allows it) or its folder cannot be written."
+    p, q = Path(out), shown(out)
+    if str(out).endswith(('/', os.sep)): raise CliError(f"{q}: a {suffix} file's path cannot end in /")
+    if p.suffix.lower() != suffix: raise CliError(f"{q}: --out must be a {suffix} file")
+    if p.is_symlink(): raise CliError(f"{q} is a symbolic link (to {shown(os.readlink(p))}); opscope never writes through a link: remove it or choose another --out")
     parent = p.parent if p.parent != Path('') else Path('.')
-    if not parent.is_dir(): raise CliError(f"{out}: folder {parent} does not exist")
-    if p.is_dir(): raise CliError(f"{out} is a folder, not a {suffix} file")
+    if not parent.is_dir(): raise CliError(f"{q}: folder {shown(parent)} does not exist")
+    if p.is_dir(): raise CliError(f"{q} is a folder, not a {suffix} file")
+    same = next((i for i in inputs if i is not None and _same_or_inside(p, i)), None)
+    if same is not None: raise CliError(f"{q}: --out is the input {shown(same)}{'' if Path(same).resolve() == p.resolve() or not Path(same).is_dir() else ' (inside it)'}; writing it would replace what is read: choose another --out")
+    if force is False and p.exists(): raise CliError(f"{q} already exists; pass --force to replace it")
     _probe_writable(parent)
     return p
 

@@ -201,13 +201,15 @@ def _install_refresh(new):
 
 # %% ../nbs/01c_inject.ipynb #f6397633
 def _tap_group(graph, taps, x, group, bins):
-    "Taps of one expert: `sketch_groups` of `x` once per (tensor, grouping), then its row of every stat."
+    "Taps of one expert: `sketch_groups` of `x` once per (tensor, grouping), then its row of every stat (`adj_cos` none: routed rows are no sequence)."
     gid, G, e = group
     k = ('groups', x.name, gid.name)
     if k not in taps:
         with graph.inserting_after(gid): sk = graph.call_function(sketch_groups, (x, gid, G, bins))
         with graph.inserting_after(sk):
             taps[k] = {st: graph.call_function(operator.getitem, (sk, i)) for i, st in reversed(list(enumerate(STATS)))}
+        n = taps[k]['adj_cos']     # an expert's rows are the tokens routed to it, of any sequence, in routing order: no adjacent rows to compare
+        with graph.inserting_after(n): taps[k]['adj_cos'] = graph.call_function(torch.full_like, (n, float('nan')))
     out = {}
     for st, n in taps[k].items():
         with graph.inserting_after(n): out[st] = graph.call_function(operator.getitem, (n, e))

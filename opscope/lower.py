@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from .tables import InputError
-from .sites import SDPA_TARGETS, meta_shape, walk_up, rebuild, _get_attr, _hint
+from .sites import SDPA_TARGETS, meta_shape, walk_up, rebuild, _get_attr, _hint, _op_name
 _aten = torch.ops.aten
 
 # %% auto #0
@@ -150,6 +150,23 @@ def _sdpa_mask(s, q, attn_mask, is_causal, scale):
         s = s.masked_fill(attn_mask.logical_not(), float('-inf')) if attn_mask.dtype == torch.bool else s + attn_mask
     return s
 
+# %% ../nbs/01b_lower.ipynb #8c616b25-s1
+def _stride_order(node):
+    "The dims of `node`'s traced value from the largest stride to the smallest, if that is not their order (SDPA's output, laid out as its kernel writes it), else None."
+    v, tm = node.meta.get('val'), node.meta.get('tensor_meta')   # torch.export's value, or torch.fx's ShapeProp
+    stride = v.stride() if isinstance(v, torch.Tensor) else getattr(tm, 'stride', None)
+    if stride is None: return None
+    st = [_hint(s) for s in stride]
+    if None in st: return None
+    order = tuple(sorted(range(len(st)), key=lambda i: -st[i]))   # stable: a tie (a size-1 dim) keeps its place
+    return None if order == tuple(range(len(st))) else order
+
+def _sdpa_layout(o, order):
+    "`o` with the same values, its memory laid out in `order` (largest stride first): the strides the fused kernel gives, so a `view` after it still works."
+    inv = [order.index(i) for i in range(o.dim())]
+    return o.permute(order).contiguous().permute(inv)
+
+
 # %% ../nbs/01b_lower.ipynb #572532a3
 def _decompose_one(graph, node):
     "Replace one SDPA call node by matmul, scale + mask, softmax, matmul nodes carrying its module path."
@@ -171,12 +188,15 @@ def _decompose_one(graph, node):
         s = add('fn', torch.matmul, (q, add('method', 'transpose', (kk, -2, -1))))
         p = add('fn', _aten._safe_softmax.default, (add('fn', _sdpa_mask, (s, q, a['attn_mask'], a['is_causal'], a['scale'])), -1))
         o = add('fn', torch.matmul, (p, add('fn', _sdpa_kv, (v, q, gqa)) if gqa else v))
+    order, res = _stride_order(node), o
+    if order is not None:   # SDPA's kernel lays its output out as (batch, tokens, heads, dim), and a model may `view` it so
+        with graph.inserting_before(node): res = add('fn', _sdpa_layout, (o, order))
     p.meta['opscope_sdpa'] = True   # a safe softmax, as SDPA's own: a row that sees no key is 0, not NaN
     qs, ks, vs = (meta_shape(x) for x in (q, k, v))
     if qs and ks and vs:   # shapes for the manifest, as meta tensors (no data)
         s.meta['val'] = p.meta['val'] = torch.empty(*qs[:-1], ks[-2], device='meta')
-        o.meta['val'] = torch.empty(*qs[:-1], vs[-1], device='meta')
-    node.replace_all_uses_with(o)
+        o.meta['val'] = res.meta['val'] = torch.empty(*qs[:-1], vs[-1], device='meta')
+    node.replace_all_uses_with(res)
     graph.erase_node(node)
 
 # %% ../nbs/01b_lower.ipynb #572532a3-s1
@@ -313,6 +333,61 @@ def _gathered_roles(new, graph, gm, s, by_name):
     return dict(lhs=(f'{s.lhs.name}:ids{e}', x, keep, (None, K)), rhs=(f'{s.rhs}[{e}]', w, None, (N, K)),
                 out=(f'{node.name}:ids{e}', y, keep, (None, N)))
 
+# %% ../nbs/01b_lower.ipynb #f6397633-s7a
+RESHAPE_OPS = ('view', 'reshape', 'flatten', '_unsafe_view')
+ROW_MIXING = ('index', 'index_select', 'gather', 'scatter', 'sort', 'flip', 'roll', 'cumsum', 'cumprod', 'getitem', 'permute',
+              'transpose', 't', 'mT', 'movedim', 'cat', 'stack')   # ops whose output rows are not their input's rows, one for one
+
+def _seq_layout(x, hops:int=8):
+    "For a 2-D operand `x` whose rows are a (…, tokens, C) tensor's flattened (OPT flattens its MLP input to (batch·tokens, C)): that tensor's node, a reshape and a few row-wise ops up; else None."
+    sh = meta_shape(x)
+    if sh is None or len(sh) != 2 or sh[0] is None: return None
+    R, n = sh[0], x
+    for _ in range(hops):
+        sh = meta_shape(n)
+        if n.op not in ('call_function', 'call_method', 'call_module') or sh is None or len(sh) != 2 or sh[0] != R or _op_name(n) in ROW_MIXING: return None
+        src = n.args[0] if n.args else None
+        ss = meta_shape(src)
+        if ss is None or None in ss: return None
+        if len(ss) >= 3 and _op_name(n) in RESHAPE_OPS and ss[-1] == sh[-1] and math.prod(ss[:-1]) == R: return src
+        if len(ss) != 2 or ss[0] != R: return None
+        n = src
+    return None
+
+ROW_PICKS = ('index', 'index_select', 'gather', 'take', 'split', 'split_with_sizes', '_unsafe_index')   # ops that pick or regroup rows
+
+def _picks_rows(n)->bool:
+    "A node that picks or regroups its input's rows (dim 0): tokens routed to an expert (JetMoe's experts: index, then split by expert)."
+    name = _op_name(n)
+    if name not in ROW_PICKS: return False
+    if name in ('split', 'split_with_sizes'): return n.args[2] in (0, -2) if len(n.args) > 2 else n.kwargs.get('dim', 0) in (0, -2)
+    if name in ('index_select', 'gather'): return (n.args[1] if len(n.args) > 1 else n.kwargs.get('dim')) in (0, -2)
+    if name in ('index', '_unsafe_index'): return len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) and len(n.args[1]) > 0 and n.args[1][0] is not None
+    return True
+
+def _routed_rows(x, hops:int=4)->bool:
+    "Whether a 2-D operand's rows were picked from others (`_picks_rows`) a few ops up: routed rows of any sequence, none adjacent to the next."
+    n = x
+    for _ in range(hops):
+        if not isinstance(n, fx.Node) or n.op not in ('call_function', 'call_method') or _op_name(n) in RESHAPE_OPS: return False
+        if _picks_rows(n): return True
+        n = n.args[0] if n.args else None
+    return False
+
+def _as_sequences(x, src):
+    "`x` (rows, C) viewed as `src`'s leading dims × C (None: each row alone, (rows, 1, C)): the same values and rows, its tokens adjacent only within a sequence."
+    return x.reshape(-1, 1, x.shape[-1]) if src is None else x.reshape(*src.shape[:-1], x.shape[-1])
+
+def _seq_node(graph, by_name, x, src, shape):
+    "One `_as_sequences` node per tapped 2-D tensor (cached in `by_name`), right after it, with its shape for the mask pass."
+    k = ('seq', x.name)
+    if k not in by_name:
+        with graph.inserting_after(x): by_name[k] = n = graph.call_function(_as_sequences, (x, src))
+        ss = meta_shape(src) if src is not None else shape and (shape[0], 1)
+        if shape is not None and ss is not None and None not in ss: n.meta['val'] = torch.empty(*ss[:-1], shape[-1], device='meta')
+    return by_name[k]
+
+
 # %% ../nbs/01b_lower.ipynb #f6397633-s7
 def _roles(new, graph, gm, s, by_name):
     "role -> (tap key, node or buffer path to sketch, (group ids node, groups, expert) or None, shape of the sketched tensor)."
@@ -321,7 +396,14 @@ def _roles(new, graph, gm, s, by_name):
     shape = lambda x: (tuple(_get_attr(gm, x if isinstance(x, str) else x.target).shape)
                        if isinstance(x, str) or x.op == 'get_attr' else meta_shape(x))
     get = lambda x: x if isinstance(x, str) else by_name[x.name]
-    return {r: (x if isinstance(x, str) else x.name, get(x), None, shape(x)) for r, x in (('lhs', s.lhs), ('rhs', s.rhs), ('out', s.node))}
+    roles = {r: (x if isinstance(x, str) else x.name, get(x), None, shape(x)) for r, x in (('lhs', s.lhs), ('rhs', s.rhs), ('out', s.node))}
+    src = _seq_layout(s.lhs) if isinstance(s.lhs, fx.Node) else None
+    routed = src is None and isinstance(s.lhs, fx.Node) and len(meta_shape(s.lhs) or ()) == 2 and _routed_rows(s.lhs)
+    if src is not None or routed:   # rows that are (batch, tokens) flattened, or routed: tapped as sequences, so adjacent rows never cross the batch
+        for r in ('lhs', 'out'):
+            key, x, _, sh = roles[r]
+            roles[r] = (f'{key}:seq', _seq_node(graph, by_name, x, by_name[src.name] if src is not None else None, sh), None, sh)
+    return roles
 
 # %% ../nbs/01b_lower.ipynb #f6397633-s8
 def _site_dims(site, gm, shapes):

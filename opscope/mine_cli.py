@@ -4,14 +4,14 @@
 
 # %% ../nbs/09b_mine.ipynb #962e9382
 from __future__ import annotations
-import sys, warnings
+import os, sys, warnings
 from .harness import CliError, cli_errors, command, check_whole_out   # first: signals are opscope's before the imports
 
 # %% auto #0
 __all__ = ['format_findings', 'opscope_mine']
 
 # %% ../nbs/09b_mine.ipynb #739b584e
-from .tables import atomic_write, read_sketches
+from .tables import atomic_write, read_sketches, shown
 from .exploits import format_channels
 from .miner import mine, step_table, drop_nonfinite_steps, KEYS
 from .scale import mine_duckdb, mine_dask, select_sketches
@@ -42,22 +42,38 @@ def format_findings(findings, sketches=None)->str:
     w = [max(len(r[i]) for r in rows) for i in range(5)]
     return '\n'.join('  '.join([c.ljust(w[i]) for i, c in enumerate(r[:5])] + [r[5]]) for r in rows)
 
+# %% ../nbs/09b_mine.ipynb #ed835ac2-s1
+def _security(scheduler, ca, cert, key):
+    "A `distributed.Security` requiring TLS from the --tls-* files (each a regular file), or None (Dask's own config) when none is given."
+    given = {k: v for k, v in dict(tls_ca_file=ca, tls_client_cert=cert, tls_client_key=key).items() if v is not None}
+    if not given: return None
+    if scheduler is None or not str(scheduler).startswith('tls://'): raise CliError("--tls-ca-file, --tls-cert and --tls-key go with --scheduler tls://HOST:PORT")
+    for k, v in given.items():
+        if not os.path.isfile(v): raise CliError(f"--{k.replace('_client', '').replace('_', '-')} {shown(v)}: not a file")
+    from distributed import Security
+    return Security(require_encryption=True, **given)
+
 # %% ../nbs/09b_mine.ipynb #52b74252
 @command
 def opscope_mine(inp:str, # a sketches file (.csv or .parquet) or a Parquet dataset directory, from opscope-sweep / record
                  out:str=None, # also write the findings table here (.csv)
                  engine:str='pandas', # pandas (in memory), duckdb (out of core: sketches larger than memory) or dask (a cluster)
-                 scheduler:str=None, # with --engine dask: a Dask scheduler address (default: a local cluster for this run)
+                 scheduler:str=None, # with --engine dask: a Dask scheduler address (default: a local cluster for this run); that cluster is trusted like this machine (Dask moves pickles, its workers run code here), its TLS settings come from Dask's config (DASK_DISTRIBUTED__COMM__TLS__*, a tls:// address)
+                 force:bool=False, # replace an existing --out
+                 tls_ca_file:str=None, # with --scheduler tls://...: the CA certificate (PEM) the cluster's certificates are checked against (default: Dask's config)
+                 tls_cert:str=None, # with --scheduler tls://...: this client's certificate (PEM)
+                 tls_key:str=None, # with --scheduler tls://...: this client's private key (PEM), if not in --tls-cert
                 ):
     "Mine a sketches file or dataset and print its findings as aligned text."
     with cli_errors('opscope-mine'):
         if engine not in ('pandas', 'duckdb', 'dask'): raise CliError(f"--engine must be pandas, duckdb or dask, not {engine!r}")
         if scheduler is not None and engine != 'dask': raise CliError("--scheduler needs --engine dask")
-        if out is not None: check_whole_out(out)
+        security = _security(scheduler, tls_ca_file, tls_cert, tls_key)
+        if out is not None: check_whole_out(out, force=force, inputs=(inp,))   # never the sketches it reads, never over a file without --force
         if engine == 'duckdb':
             found, df = mine_duckdb(inp), select_sketches(inp, ['density'])   # only the rows the report prints
         elif engine == 'dask':
-            found = mine_dask(inp, client=scheduler, rows=('density',)); df = found.attrs.pop('rows')
+            found = mine_dask(inp, client=scheduler, rows=('density',), security=security); df = found.attrs.pop('rows')
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter('always')

@@ -23,11 +23,11 @@ __all__ = ['KEYS', 'FINDINGS', 'TAIL_MIN_SAMPLES', 'FEATURES', 'SPARSE_DENSITY_M
            'RANK_COLUMNS', 'tail_bins', 'tail_s4', 'step_sums', 'crest_nz', 'est_sqnr_db', 'crest_at_sqnr',
            'tap_features', 'derived_features', 'rule_sparse', 'rule_quant', 'rule_spiky', 'rule_tokens',
            'rule_coherence', 'rule_deep_dump', 'rule_dead_channels', 'rule_outlier_channels', 'step_ratios',
-           'outlier_rows', 'usual_steps', 'step_matrix', 'relative_range', 'stationary', 'cross_step', 'tap_stationary',
-           'cross_table', 'rule_stationary', 'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction',
-           'rule_windowed', 'rule_experts', 'infer_features', 'step_table', 'step_frame', 'drop_nonfinite_steps',
-           'rule_nonfinite', 'rule_constant', 'mine', 'undefined_inf', 'drop_masked', 'collect_findings',
-           'confirm_low_rank']
+           'evidence_windows', 'step_rows', 'windows_of', 'outlier_rows', 'usual_steps', 'step_matrix',
+           'relative_range', 'stationary', 'cross_step', 'tap_stationary', 'cross_table', 'rule_stationary',
+           'rule_drift_coherence', 'rule_attention_sink', 'rule_kv_eviction', 'rule_windowed', 'rule_experts',
+           'infer_features', 'step_table', 'step_frame', 'drop_nonfinite_steps', 'rule_nonfinite', 'rule_constant',
+           'mine', 'undefined_inf', 'drop_masked', 'collect_findings', 'confirm_low_rank']
 
 # %% ../nbs/03_miner.ipynb #7517bb21
 KEYS = ['run_id', 'dist', 'site', 'role']
@@ -165,8 +165,8 @@ OUTLIER_RATIO = 6.0       # a channel this many times the median channel's absma
 OUTLIER_PERSIST = 0.75    # ... on at least this share of the evidence steps is an outlier channel
 OUTLIER_TOP_RATIO = 4.0   # so is a channel at least this many times the median on every evidence step, ranked ≤ r on each ...
 OUTLIER_TOP_P = 0.01      # ... when exchangeable channels would put one there by chance (C·(r/C)^n) at most this often
-OUTLIER_MIN_ROWS = 4      # a step is evidence for a channel claim when the tap saw at least this many rows in it ...
-OUTLIER_MIN_STEPS = 2     # ... and a claim needs at least this many evidence steps (one step shows no persistence)
+OUTLIER_MIN_ROWS = 4      # evidence for a channel claim is a window of at least this many rows: a step, or consecutive smaller steps pooled (decode) ...
+OUTLIER_MIN_STEPS = 2     # ... and a claim needs at least this many evidence windows (one step shows no persistence)
 SPIKY_KURTOSIS = 10.0
 TOKEN_ROWS90_MAX = 0.3
 DEEP_DUMP_RHO = 8.0
@@ -245,7 +245,7 @@ def rule_dead_channels(sketches):
 
 # %% ../nbs/03_miner.ipynb #bc219932-s1
 def rule_outlier_channels(sketches):
-    "`channel-outliers`: on the (at least OUTLIER_MIN_STEPS) steps with at least OUTLIER_MIN_ROWS rows, channels > OUTLIER_RATIO× the median channel's absmax in OUTLIER_PERSIST of them, or ≥ OUTLIER_TOP_RATIO× in every one at a rank chance would not give (OUTLIER_TOP_P)."
+    "`channel-outliers`: on the (at least OUTLIER_MIN_STEPS) evidence windows (`evidence_windows`: steps of at least OUTLIER_MIN_ROWS rows, smaller consecutive steps pooled), channels > OUTLIER_RATIO× the median channel's absmax in OUTLIER_PERSIST of them, or ≥ OUTLIER_TOP_RATIO× in every one at a rank chance would not give (OUTLIER_TOP_P)."
     return outlier_rows(_outlier_share(sketches))
 
 # %% ../nbs/03_miner.ipynb #bc219932-s2
@@ -267,15 +267,47 @@ def step_ratios(c:pd.DataFrame, # `chan_absmax` rows
     if top.any(): rank[top] = pd.Series(ratio[top]).groupby(gid[top]).rank(method='min', ascending=False).to_numpy()
     return c[KEYS + ['step', 'idx']].assign(ratio=ratio, hit=(ratio > OUTLIER_RATIO).astype(float), rank=rank, med=med)
 
+def evidence_windows(df, min_rows=None)->pd.DataFrame:
+    "Per (tap, step) with `row_energy` rows: its evidence window `w` and whether that is evidence (`ok`). A step of at least `min_rows` (OUTLIER_MIN_ROWS) rows is its own window; smaller consecutive ones (a decode step: one row per sequence) are pooled k at a time, k·(their fewest rows) ≥ `min_rows`, the window named by its first step; the closing rest of them is evidence only where the tap has a full window (the prefill's tokens) but fewer than OUTLIER_MIN_STEPS (it completes the count, never thins it). A step without valued rows is none (shared by the three engines)."
+    return windows_of(step_rows(df), min_rows)
+
+def step_rows(df)->pd.DataFrame:
+    "Per (tap, step) with `row_energy` rows: `n`, how many are valued (a row of the tap in that step)."
+    r = df[df.stat == 'row_energy']
+    return r.value.notna().groupby([r[k] for k in KEYS + ['step']], observed=True).sum().rename('n').reset_index()
+
+def windows_of(t:pd.DataFrame, # `step_rows`: KEYS, step, n
+               min_rows=None)->pd.DataFrame:
+    "`evidence_windows` from the row counts (the Dask engine gathers them from its partitions first)."
+    mr = OUTLIER_MIN_ROWS if min_rows is None else min_rows
+    t = t.sort_values(KEYS + ['step'], kind='stable', ignore_index=True)
+    big, small = t.n >= mr, (t.n > 0) & (t.n < mr)
+    s = t[small]
+    g = s.groupby(KEYS, observed=True, sort=False)
+    s = s.assign(wi=(g.cumcount() // np.ceil(mr / g.n.transform('min'))).astype('int64'))
+    gw = s.groupby(KEYS + ['wi'], observed=True, sort=False)
+    t['w'] = t.step
+    t.loc[small, 'w'] = gw.step.transform('min')
+    full = big.copy()
+    full[small] = (gw.n.transform('sum') >= mr).to_numpy()
+    nfull = (full & (t.step == t.w)).groupby([t[k] for k in KEYS], observed=True).transform('sum')   # full windows, each counted at its first step
+    return t[KEYS + ['step', 'w']].assign(ok=full | small & (nfull >= 1) & (nfull < OUTLIER_MIN_STEPS))
+
+def _window_rows(df, min_rows=None):
+    "The `chan_absmax` rows pooled over each evidence window (`evidence_windows`; a tap without `row_energy` rows: each step its own), as rows of a step named by the window (a channel's absmax over the window's rows is the largest of its steps'); and every row with its `w`, `ok`."
+    c = df[df.stat == 'chan_absmax'].merge(evidence_windows(df, min_rows), on=KEYS + ['step'], how='left')
+    c['w'], c['ok'] = c.w.fillna(c.step).astype('int64'), c.ok.fillna(True).astype(bool)
+    p = c[c.ok].groupby(KEYS + ['w', 'idx'], observed=True, sort=False).agg(value=('value', 'max'), pooled=('step', 'nunique'))
+    return p.reset_index().rename(columns={'w': 'step'}), c
+
 def _outlier_share(df, min_rows=None):
-    "Per (tap, channel) over the tap's evidence steps (≥ `min_rows` rows): share of steps past OUTLIER_RATIO, mean and least ratio, worst rank; the tap's evidence steps, distinct ones (`draws`: a repeated tensor is one draw), skipped steps and channels."
-    c = df[df.stat == 'chan_absmax']
-    ok = ~pd.MultiIndex.from_frame(c[KEYS + ['step']]).isin(_few_rows(df, min_rows))
-    r = step_ratios(c[ok])
+    "Per (tap, channel) over the tap's evidence windows (`evidence_windows`): share of windows past OUTLIER_RATIO, mean and least ratio, worst rank; the tap's evidence windows (`steps`), the steps they pool (`pooled`), distinct ones (`draws`: a repeated tensor is one draw), steps not read (`few`) and channels."
+    p, c = _window_rows(df, min_rows)
+    r = step_ratios(p)
     per = r.groupby(KEYS + ['idx'], observed=True, sort=False).agg(share=('hit', 'mean'), value=('ratio', 'mean'), lo=('ratio', 'min'), rank=('rank', 'max'))
-    st = r.groupby(KEYS + ['step'], observed=True, sort=False).agg(n=('idx', 'size'), med=('med', 'first'))
-    taps = st.groupby(level=KEYS, observed=True).agg(steps=('n', 'size'), draws=('med', 'nunique'), channels=('n', 'max'))
-    taps['few'] = c[~ok].groupby(KEYS, observed=True).step.nunique().reindex(taps.index, fill_value=0)
+    st = r.assign(pooled=p.pooled.to_numpy()).groupby(KEYS + ['step'], observed=True, sort=False).agg(n=('idx', 'size'), med=('med', 'first'), pooled=('pooled', 'max'))
+    taps = st.groupby(level=KEYS, observed=True).agg(steps=('n', 'size'), pooled=('pooled', 'sum'), draws=('med', 'nunique'), channels=('n', 'max'))
+    taps['few'] = c[~c.ok].groupby(KEYS, observed=True).step.nunique().reindex(taps.index, fill_value=0)
     return per.reset_index().merge(taps.reset_index(), on=KEYS)
 
 # %% ../nbs/03_miner.ipynb #bc219932-s3
@@ -290,8 +322,12 @@ def outlier_rows(per):
     n, v = g.idx.transform('size'), g.value.transform('median')
     few = lambda f: f' (and {f:.0f} with fewer than {OUTLIER_MIN_ROWS} rows, not read)' if f else ''
     return out.assign(stat='chan_absmax', exploit='channel-outliers',
-                      detail=[f'{k} outlier channel(s) ~{m:.0f}× the median on {s:.0f} step{"s" if s != 1 else ""}{few(f)} '
-                              '→ outlier split / mixed precision' for k, m, s, f in zip(n, v, out.steps, out.few)])[FINDINGS]
+                      detail=[f'{k} outlier channel(s) ~{m:.0f}× the median on {_windows(s, p)}{few(f)} '
+                              '→ outlier split / mixed precision' for k, m, s, p, f in zip(n, v, out.steps, out.pooled, out.few)])[FINDINGS]
+
+def _windows(s, p)->str:
+    "How many evidence windows a claim stands on, in words: steps, or windows pooling `p` steps."
+    return f'{s:.0f} step{"s" if s != 1 else ""}' if p == s else f'{s:.0f} windows of consecutive steps ({p:.0f} steps pooled)'
 
 # %% ../nbs/03_miner.ipynb #fc0a4692
 CROSS_STATS = ('min', 'max', 'mean', 'std', 'absmax', 'rms', 'density', 'chan_absmax', 'chan_density')

@@ -13,8 +13,9 @@ from .exploits import rules
 
 # %% auto #0
 __all__ = ['G', 'INFER_ROLES', 'SCALARS', 'MOMENT_SUMS', 'finite_steps', 'scalar_steps', 'tap_steps', 'moment_steps', 'row_steps',
-           'chan_ratios', 'chan_steps', 'head_keys', 'usual_rows', 'read_parts', 'tap_matrix', 'valued_steps',
-           'tap_stationary', 'tap_coherence', 'infer_table', 'findings_from_tables']
+           'chan_ratios', 'chan_steps', 'window_chan', 'unread_steps', 'window_ratios', 'window_steps', 'head_keys',
+           'usual_rows', 'read_parts', 'tap_matrix', 'valued_steps', 'tap_stationary', 'tap_coherence', 'infer_table',
+           'findings_from_tables']
 
 # %% ../nbs/03b_partials.ipynb #d0589b83
 G = _m.KEYS + ['step']          # one (tap, step) group
@@ -70,6 +71,31 @@ def chan_steps(r:pd.DataFrame)->pd.DataFrame:
     "Per matmul-style (tap, step), from `chan_ratios`: the largest ratio, the channel count, whether the step is evidence and its median channel."
     g = _base(r).groupby(G, observed=True)
     return pd.DataFrame({'ratio': g.ratio.max(), 'n': g.size(), 'ok': g.ok.first(), 'med': g.med.first()}).reset_index()
+
+# %% ../nbs/03b_partials.ipynb #d0589b83-s7a
+def window_chan(d:pd.DataFrame, # a partition: whole (tap, step)s
+                win:pd.DataFrame, # every (tap, step)'s evidence window: `miner.windows_of`
+               )->pd.DataFrame:
+    "This partition's `chan_absmax` rows pooled over their evidence windows, as `miner._window_rows` pools them: KEYS, `w`, idx, `value` (the largest) and `pooled` (its steps here); over partitions, take the largest `value` and sum `pooled`."
+    c = d[d.stat == 'chan_absmax'].merge(win, on=G, how='left')
+    c['w'], c['ok'] = c.w.fillna(c.step).astype('int64'), c.ok.fillna(True).astype(bool)
+    return c[c.ok].groupby(_m.KEYS + ['w', 'idx'], observed=True).agg(value=('value', 'max'), pooled=('step', 'nunique')).reset_index()
+
+def unread_steps(d:pd.DataFrame, win:pd.DataFrame)->pd.DataFrame:
+    "The (tap, step)s of this partition's `chan_absmax` rows that no evidence window reads (`miner._outlier_share`'s `few`)."
+    c = d[d.stat == 'chan_absmax'][G].drop_duplicates().merge(win, on=G, how='left')
+    return c.loc[~c.ok.fillna(True).astype(bool), G]
+
+def window_ratios(p:pd.DataFrame)->pd.DataFrame:
+    "`miner.step_ratios` of whole pooled windows (`window_chan`, pooled over partitions; the window as its `step`), with each window's `pooled` steps."
+    p = p.rename(columns={'w': 'step'})
+    return _m.step_ratios(p).assign(pooled=p.pooled.to_numpy())
+
+def window_steps(r:pd.DataFrame)->pd.DataFrame:
+    "Per window (`window_ratios`): its channel count, median channel and pooled steps."
+    g = r.groupby(G, observed=True)
+    return pd.DataFrame({'n': g.size(), 'med': g.med.first(), 'pooled': g.pooled.max()}).reset_index()
+
 
 # %% ../nbs/03b_partials.ipynb #d0589b83-s8
 def head_keys(d:pd.DataFrame)->pd.DataFrame:

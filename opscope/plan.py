@@ -312,6 +312,7 @@ def _site_rows(s, findings, stat_taps, run, site, weights, names, machine, seed)
             if fields is not None: cands.append((name, fields))
         except Exception as e: raise type(e)(f"planning {name} at site {site!r} of run {run!r}: {e}") from e
     why = _not_linear(s, site) if cands else None
+    if cands and not why and min(shape) < 1: why = f"an empty matmul in every recorded step (M, K, N = {shape[0]}, {shape[1]}, {shape[2]}): nothing to time"
     if why: return [], dict(run_id=run, site=site, exploits=' '.join(n for n, _ in cands), reason=why)
     rows = []
     for name, fields in cands:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_recorder.ipynb #56887995
 from __future__ import annotations
-import functools, os, re, shutil, warnings, zlib
+import contextlib, functools, io, os, re, shutil, sys, time, warnings, zlib
 from urllib.parse import quote
 from itertools import chain, repeat
 from pathlib import Path
@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.fx as fx
-from .tables import InputError, MissingError, atomic_write, require_columns, as_strings, dataset_files, part_files
+from .tables import InputError, ModelError, MissingError, atomic_write, shown, require_columns, as_strings, dataset_files, part_files
 from .tables import read_sketches, with_manifest, manifest_rows, COMMIT_SUFFIX, MANIFEST_STAT   # the reading half lives in tables (no torch: Dask workers mine with it), re-exported here
 from .tables import SCHEMA, INT_COLS, STR_COLS, SCHEMA_VERSION, RENAMED_STATS, PARTITION_TYPES   # the table contract, re-exported here
 from .zoo import DISTS, gemm, make_tensor
@@ -26,9 +26,9 @@ from .lower import ROUTED_ROWS   # the masked sketches: key columns, routed expe
 from .shapes import coverage, coverage_warning, _cacheless
 
 # %% auto #0
-__all__ = ['LAYOUTS_KEPT', 'ROW_GROUP_ROWS', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats', 'decode_flat', 'Recorder',
-           'masked_sketch', 'keys_sketch', 'routed_groups', 'gate_tolerance', 'eager_gate', 'Recorded', 'record',
-           'sweep']
+__all__ = ['LAYOUTS_KEPT', 'LOCK_PREFIX', 'LOCK_TRIES', 'ROW_GROUP_ROWS', 'GATE_EPS', 'GATE_TOL', 'SWEEP_SHAPES', 'decode_stats',
+           'decode_flat', 'writer_of', 'Recorder', 'masked_sketch', 'keys_sketch', 'routed_groups', 'gate_tolerance',
+           'eager_gate', 'Recorded', 'record', 'sweep']
 
 # %% ../nbs/02_recorder.ipynb #c55baf8c
 def _key_layout(keys):
@@ -112,6 +112,52 @@ def decode_flat(keys:tuple, # the stats' `"site/role/stat"` names
     head = pd.DataFrame({'run_id': run, 'step': np.full(n, step, np.int64), 'backend': where, 'dist': dist}, copy=False)
     return pd.concat([head, cols, pd.Series(values, name='value')], axis=1)
 
+# %% ../nbs/02_recorder.ipynb #346d5634-l1
+try: import fcntl
+except ImportError: fcntl = None    # no advisory locks (Windows): one writer per OUT is then the user's care
+
+LOCK_PREFIX = '.opscope-lock.'       # `.opscope-lock.NAME` beside OUT NAME: locked while a writer records into NAME
+LOCK_TRIES = 5                       # a held lock is tried this often, 20 ms apart (a `writer_of` probe holds it for microseconds)
+
+def _lock_file(path:Path, rank=None)->Path:
+    return path.with_name(f"{LOCK_PREFIX}{path.name}{'' if rank is None else f'.rank{int(rank)}'}")
+
+def writer_of(path, # an OUT: a .csv or .parquet file or a dataset directory
+              rank:int=None, # the rank whose partition is asked about (None: the single writer)
+             )->str:
+    "The pid (as text) of another process recording into `path` right now, or None when no writer (or only this process) holds it."
+    if fcntl is None: return None
+    try: fd = os.open(_lock_file(Path(path), rank), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError: return None
+    try:
+        try: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError: pid = os.read(fd, 32).decode(errors='replace').strip() or 'unknown'
+        else: return None
+        return None if pid == str(os.getpid()) else pid
+    finally: os.close(fd)
+
+# %% ../nbs/02_recorder.ipynb #346d5634-l2
+def _hold(lock:Path, # the lock file
+          out:Path, # the OUT it guards, for the message
+         ):
+    "`lock` open (a file object: a writer dropped unclosed lets go when it is collected), exclusively locked and holding this pid; an `InputError` naming the holder when another writer has it."
+    for _ in range(LOCK_TRIES):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors='replace').strip() or 'unknown'; os.close(fd); time.sleep(0.02); continue
+        try: same = os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError: same = False
+        if same:
+            os.ftruncate(fd, 0); os.write(fd, f'{os.getpid()}\n'.encode()); return open(fd, 'r+b', buffering=0)
+        os.close(fd); holder = None     # the writer that held it removed it as it released it: lock the new one
+    raise InputError(f"{shown(out)}: another writer (pid {holder}) is recording into it; wait for it to finish, or choose another OUT")
+
+def _release(f, lock:Path):
+    "Remove `lock` while still holding it, then let it go (a writer that opened the removed file sees so and locks afresh)."
+    try: lock.unlink(missing_ok=True)
+    finally: f.close()
+
 # %% ../nbs/02_recorder.ipynb #346d5634
 class Recorder:
     "A sink for tidy rows: `.csv` (appended, fsynced and committed per step), `.parquet` (a part per step, combined on close), or a Parquet dataset directory (a file per step)."
@@ -130,6 +176,15 @@ class Recorder:
         self.parts = self.path.with_name(self.path.name + '.parts')
         self.commit = self.path.with_name(self.path.name + COMMIT_SUFFIX)
         self.steps, self.rows, self._f, self._log, self._dirs, self._end, self._opened = 0, 0, None, None, set(), 0, False
+        self._lock = None
+    def lock(self):
+        "Hold OUT's writer lock (`.opscope-lock.NAME` beside it) until `close`: a second writer into the same OUT is refused; OUT is never a symbolic link. The first write takes it; a command takes it before its work."
+        if self.path.is_symlink():
+            raise InputError(f"{shown(self.path)} is a symbolic link (to {shown(os.readlink(self.path))}); a recording is never written through a link: remove it or choose another OUT")
+        if self._lock is None and fcntl is not None:
+            lock = _lock_file(self.path, self.rank if self.fmt == 'dataset' else None)
+            self._lock = (_hold(lock, self.path), lock)
+        return self
     def write(self, df:pd.DataFrame):
         "Append one step's rows and make them durable (committed where `read_sketches` looks) before returning."
         if not self._opened: self._open()
@@ -143,13 +198,16 @@ class Recorder:
     def _open(self):
         "Start a new recording at `path`: whatever an earlier one left there is removed first, so stale steps never mix with new ones."
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock()                                  # before anything is cleared: another writer's steps are never touched
         self._opened = True
         if self.fmt == 'dataset':
             self.path.mkdir(exist_ok=True)
             if self.rank is None:   # a single writer owns the whole dataset; ranks each clear their own partition
                 for d in self.path.glob('run_id=*'): shutil.rmtree(d)
             return
-        self.commit.unlink(missing_ok=True); shutil.rmtree(self.parts, ignore_errors=True)
+        self.commit.unlink(missing_ok=True)
+        if self.parts.is_symlink() or self.parts.is_file(): self.parts.unlink()   # `OUT.parts` is opscope's name: a file or link there is stale, never followed
+        shutil.rmtree(self.parts, ignore_errors=True)
         if self.fmt == 'csv':
             self._f = open(self.path, 'wb'); self._log = open(self.commit, 'w')
         else:
@@ -168,7 +226,12 @@ class Recorder:
                 shutil.rmtree(d, ignore_errors=True); d.mkdir(parents=True); self._dirs.add(d)
             _write_step(with_manifest(rows).drop(columns=['run_id', 'rank'], errors='ignore'), d / f'part-{int(step):09d}.parquet')
     def close(self):
-        "Finish the output: CSV cut back to its last whole step, Parquet parts combined atomically; a dataset needs nothing."
+        "Finish the output: CSV cut back to its last whole step, Parquet parts combined atomically; a dataset needs nothing. Then let the writer lock go."
+        try: self._finish()
+        finally:
+            if self._lock is not None: _release(*self._lock); self._lock = None
+    def _finish(self):
+        if not self._opened: return                  # nothing written: what is at OUT is not this writer's
         if self._f is not None:
             if self._f.tell() != self._end:          # interrupted mid-step (Ctrl-C, an error): drop the half step
                 self._f.truncate(self._end); self._f.flush(); os.fsync(self._f.fileno())
@@ -527,6 +590,21 @@ def _warn_coverage(gm, args, kwargs):
     msg = coverage_warning(coverage(gm, *args, **kwargs))
     if msg: warnings.warn(msg, stacklevel=3)
 
+# %% ../nbs/02_recorder.ipynb #a5c1e0b5-s1
+@contextlib.contextmanager
+def _batch_errors(i:int, step, run_id):
+    "A later batch the model cannot run (another width, a wrong dtype): a `ModelError` naming it, one line, as batch 0's is (torch.fx's own print of the graph's code held back); batch 0's errors pass as they are (the trace and the gate ran on it)."
+    if i == 0: yield; return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held): yield
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        if isinstance(e, InputError): sys.stderr.write(held.getvalue()); raise
+        err = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelError(f"run {run_id!r}: the model cannot run batch {i} (step {step}), though it ran batch 0: {err}") from e
+    except BaseException: sys.stderr.write(held.getvalue()); raise
+    sys.stderr.write(held.getvalue())
+
 # %% ../nbs/02_recorder.ipynb #10581c41
 def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
            batches, # iterable of tensors / tuples of inputs / dicts of keyword inputs; one step each
@@ -574,7 +652,7 @@ def record(model, # an `nn.Module`, or a `GraphModule` from `trace`
                 mask = mask if i == 0 else next(masks, None)
                 if mask is None: raise InputError(f"attention_mask ran out after {i} steps; give one mask per batch (or one for all)")
                 _set_mask(inj, mask)
-            with torch.no_grad():
+            with torch.no_grad(), _batch_errors(i, step, run_id):
                 if i == 0 or gate_every: _, stats = eager_gate(lambda: model(*args, **kwargs), lambda: inj(*args, **kwargs),
                                                                _decomposed(gm, inj), step=int(step))
                 else: _, stats = run(*args, **kwargs)

@@ -18,15 +18,15 @@ from .recorder import ROW_STATS, CHAN_STATS, Recorder, Recorded, TAP_KINDS, deco
 from .inject import flat_outputs
 from .shapes import coverage, coverage_warning, tapped_share
 from .probe import safetensors_header, json_depth, MAX_JSON_DEPTH
-from .tables import InputError, ModelError
-from .zoo import DECODERS, tiny_decoder   # the decoders live in the one model registry (`zoo.MODELS`), re-exported here
+from .tables import InputError, ModelError, check_regular
+from .zoo import DECODERS, tiny_decoder, _quiet_progress   # the decoders live in the one model registry (`zoo.MODELS`), re-exported here
 
 
 # %% auto #0
 __all__ = ['CACHE_LAYERS', 'HOOK_DICTS', 'VECTOR_STATS', 'DIM_STATS', 'GRAPHS_KEPT', 'MAX_FACTORY_BATCHES', 'MAX_CONFIG_BYTES',
-           'CONFIG_SIZES', 'MAX_CONFIG_SIZE', 'MAX_CONFIG_LAYERS', 'MAX_PROMPTS_BYTES', 'decoder_cache',
-           'StaticDecoder', 'static_cache', 'decode_positions', 'decoder_coverage', 'record_generate', 'load_factory',
-           'load_hf', 'read_prompts', 'record_hf', 'coverage']
+           'CONFIG_SIZES', 'MAX_CONFIG_SIZE', 'MAX_CONFIG_LAYERS', 'GGUF_MAGIC', 'POSITION_KEYS', 'MAX_PROMPTS_BYTES',
+           'decoder_cache', 'StaticDecoder', 'static_cache', 'decode_positions', 'decoder_coverage', 'record_generate',
+           'load_factory', 'model_positions', 'check_positions', 'load_hf', 'read_prompts', 'record_hf', 'coverage']
 
 # %% ../nbs/02b_runners.ipynb #a588b4aa
 _all_ = ['coverage']   # DESIGN lists coverage with the runners; it lives in shapes, which counts the FLOPs
@@ -261,7 +261,8 @@ def _step_graph(run, args, taps, bins):
         msg = coverage_warning(decoder_coverage(gm, *head, [k.clone() for k in keys], [v.clone() for v in values])) if 'matmul' in taps else None
         warnings.simplefilter('always')
         inj = inject_taps(gm, taps, bins, rows=_padded(args), cache_weights='version')   # the weights are fixed while it runs: no value read per step
-    for w in ([msg] if msg else []) + [str(w.message) for w in said]:
+    padded = bool((args[1] == 0).any())   # no padding anywhere in the run: nothing for a mask to leave out
+    for w in ([msg] if msg else []) + [str(w.message) for w in said if padded or 'padded tokens still count' not in str(w.message)]:
         warnings.warn(re.sub(r'(?<![\w.])model\.(?=\w)', '', w), stacklevel=3)   # the sites as the rows name them (`_flat_kept`)
     return flat_outputs(inj)     # its stats as one flat tensor: a decode step returns ~10⁴ of them
 
@@ -277,7 +278,16 @@ def _gated(run, inj, args, step):
     "The injected graph's `(logits, stats)`, checked against the eager model run on a copy of the cache."
     *head, keys, values = args
     ref = (*head, [k.clone() for k in keys], [v.clone() for v in values])
-    return eager_gate(lambda: run(*ref), lambda: inj(*args), inj.meta.get('opscope_sdpa', 0), step)
+    return eager_gate(lambda: run(*ref), lambda: _runs(inj, args), inj.meta.get('opscope_sdpa', 0), step)
+
+def _runs(inj, args):
+    "The injected step graph's `(logits, stats)`; where it fails to run (the model has just run eagerly), one line naming the error and opscope's lowering."
+    try: return inj(*args)
+    except RuntimeError as e:
+        n = inj.meta.get('opscope_sdpa', 0)
+        why = f"; opscope wrote {n} attention call(s) as matmul + softmax + matmul (lower.decompose_attention), the rewrite most likely at fault" if n else ""
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelError(f"record_generate: the recorded step graph fails where the eager model runs ({msg}){why}") from None
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731
 MAX_FACTORY_BATCHES = 100_000   # batches a factory may return: each is a recorded step, so more is an endless generator or a typo
@@ -395,14 +405,13 @@ def _hf_config(p:Path)->dict:
 # %% ../nbs/02b_runners.ipynb #7ffbe731-s2b
 @contextlib.contextmanager
 def _quiet_transformers():
-    "transformers' progress bars and load reports held off (a refusal is one line; the load report's findings are checked instead)."
+    "transformers' progress bars (the GGUF dequantization's included: `zoo._quiet_progress`) and load reports held off (a refusal is one line; the load report's findings are checked instead)."
     from transformers.utils import logging as hf_logging
-    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
-    try: yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bar: hf_logging.enable_progress_bar()
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with _quiet_progress(): yield
+    finally: hf_logging.set_verbosity(level)
 
 def _first_line(e)->str: return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
@@ -426,33 +435,125 @@ def _check_loading(path, info):
             raise InputError(f"{path}: the weights do not match config.json: {len(ks)} tensor(s) {what} (first: {k})")
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731-s2c
-def load_hf(path, # a local folder with config.json, *.safetensors weights and a tokenizer
+GGUF_MAGIC = b'GGUF'   # the first bytes of a GGUF file (llama.cpp's format: tensors and metadata, no code)
+POSITION_KEYS = ('max_position_embeddings', 'n_positions', 'n_ctx', 'max_seq_len', 'seq_length')   # where configs state the positions a model has
+
+def _json_object(f:Path)->dict|None:
+    "A small JSON settings file (`tokenizer_config.json`) as a dict, checked as `_hf_config` checks config.json; None if it is absent or not an object."
+    if not f.is_file(): return None
+    if f.stat().st_size > MAX_CONFIG_BYTES: raise InputError(f"{f}: {f.stat().st_size:,} bytes, not a model's settings (at most {MAX_CONFIG_BYTES:,})")
+    raw = f.read_bytes()
+    if json_depth(raw) > MAX_JSON_DEPTH: raise InputError(f"{f}: nests deeper than {MAX_JSON_DEPTH} levels, not a model's settings")
+    try: d = json.loads(raw.decode('utf-8'))
+    except (UnicodeDecodeError, ValueError): return None      # transformers refuses it, in `load_hf`'s tokenizer line
+    return d if isinstance(d, dict) else None
+
+def _no_custom_code(p:Path, cfg:dict|None):
+    "Refuse a folder whose config.json or tokenizer_config.json asks to run its own Python (`auto_map`): opscope never runs a model folder's code, and says what the folder asks for."
+    for name, d in (('config.json', cfg), ('tokenizer_config.json', _json_object(p / 'tokenizer_config.json'))):
+        amap = d.get('auto_map') if d else None
+        if not amap: continue
+        refs = [str(x) for v in (amap.values() if isinstance(amap, dict) else [amap]) for x in (v if isinstance(v, (list, tuple)) else [v]) if x]
+        mods = sorted({r.split('--')[-1].rsplit('.', 1)[0] + '.py' for r in refs}) or ['(unnamed)']
+        raise InputError(f"{p / name}: asks to run the folder's own Python code (auto_map: {', '.join(mods)}); "
+                         "opscope never runs a model folder's code (trust_remote_code=False): use a model transformers builds itself")
+
+def _safetensors_only(p:Path):
+    "Refuse a `*.safetensors.index.json` that maps a tensor to anything but a `.safetensors` file of the folder (a pickle such as `pytorch_model.bin`, or a path outside): only safetensors and GGUF weights are read."
+    for idx in sorted(p.glob('*.safetensors.index.json')):
+        check_regular(idx, 'a weights index')
+        d = _json_object(idx)
+        wm = d.get('weight_map') if d else None
+        if not isinstance(wm, dict): raise InputError(f"{idx}: not a weights index (no 'weight_map' object)")
+        for k, v in wm.items():
+            if not (isinstance(v, str) and v.endswith('.safetensors') and Path(v).name == v and (p / v).is_file()):
+                raise InputError(f"{idx}: maps tensor {str(k)[:80]!r} to {str(v)[:80]!r}, not a .safetensors file of this folder; "
+                                 "opscope reads safetensors or GGUF weights only, never a pickle")
+
+def _gguf(p:Path)->str|None:
+    "The GGUF file `p` names — itself, or the one in a folder without config.json — checked by its first bytes; None for a Hugging Face folder."
+    if p.is_file(): files = [p]
+    elif (p / 'config.json').exists(): return None
+    else: files = sorted(p.glob('*.gguf'))
+    if len(files) > 1: raise InputError(f"{p}: holds {len(files)} GGUF files ({', '.join(f.name for f in files[:4])}); name one: --hf {p / files[0].name}")
+    if not files: return None
+    f = files[0]
+    check_regular(f, 'a GGUF file')
+    with open(f, 'rb') as fh: head = fh.read(4)
+    if head != GGUF_MAGIC: raise InputError(f"{f}: not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r})")
+    return f.name
+
+def model_positions(cfg)->tuple|None: # a transformers config
+    "`(positions, key)`: the most tokens the model's position embeddings (or rotary range) cover, and the config key stating it; None if the config states none."
+    for c in (cfg, getattr(cfg, 'text_config', None)):
+        for k in POSITION_KEYS:
+            v = getattr(c, k, None) if c is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0: return v, k
+    return None
+
+def check_positions(path, # names the model in the message
+                    cfg, tok, # its config and tokenizer
+                    prompts:list, # the prompts, as text (a decoder takes them padded to the longest)
+                    max_new_tokens:int=0, # tokens a decoder generates after them (0: an encoder)
+                   ):
+    "Refuse, before any weight is loaded, prompts whose longest one plus `max_new_tokens` needs more positions than the model has."
+    has = model_positions(cfg)
+    if not has or not prompts: return
+    n = [len(tok(s)['input_ids']) for s in prompts]
+    i = int(np.argmax(n)); need = n[i] + max_new_tokens
+    if need > has[0]:
+        more = f" + {max_new_tokens:,} new tokens = {need:,}" if max_new_tokens else ''
+        raise InputError(f"{path}: prompt {i + 1} is {n[i]:,} tokens{more}, more than the {has[0]:,} positions the model has ({has[1]} in its config); "
+                         "shorten the prompts" + (" or generate fewer tokens" if max_new_tokens else ''))
+
+def load_hf(path, # a local Hugging Face folder (config.json, *.safetensors weights, a tokenizer), a .gguf file, or a folder holding one
+            prompts:list=None, # the prompts the model will take: their length (with `max_new_tokens`) is checked before the weights load
+            max_new_tokens:int=0, # a decoder's generated tokens after the prompts
            )->tuple[nn.Module, object, bool]:
-    "`(model, tokenizer, is_decoder)` from a local Hugging Face folder, offline and without pickle; config, weights and tokenizer checked, each failure one `InputError` naming the file."
+    "`(model, tokenizer, is_decoder)` from a local Hugging Face folder or GGUF file, offline, without pickle and without running any of the folder's code; config, weights, tokenizer and prompt lengths checked, each failure one `InputError` naming the file."
     p = Path(path)
-    if not p.is_dir(): raise FileNotFoundError(f"{path}: no such folder")
-    if not (p / 'config.json').is_file(): raise InputError(f"{path}: not a Hugging Face model folder (no config.json)")
-    weights = sorted(p.glob('*.safetensors'))
-    if not weights: raise InputError(f"{path}: no *.safetensors weights (opscope loads no pickle)")
-    _hf_config(p)
-    shapes = {k: v['shape'] for w in weights for k, v in safetensors_header(w).items() if k != '__metadata__'}   # a cut or foreign weights file, named, before transformers opens it
+    if not p.exists() or not (p.is_dir() or p.suffix.lower() == '.gguf'):
+        check_regular(p, 'a model folder or .gguf file')
+        raise FileNotFoundError(f"{path}: no such folder (or .gguf file)")
+    for f in (p.iterdir() if p.is_dir() else [p]): check_regular(f, 'a model file')      # transformers would open a FIFO and wait
+    gguf = _gguf(p)
+    folder = p.parent if p.is_file() else p
+    if gguf is None:
+        if not (p / 'config.json').is_file(): raise InputError(f"{path}: not a Hugging Face model folder (no config.json) and no .gguf file in it")
+        weights = sorted(p.glob('*.safetensors'))
+        if not weights: raise InputError(f"{path}: no *.safetensors weights (opscope loads no pickle)")
+        cfg_json = _hf_config(p)
+        _safetensors_only(p)
+        shapes = {k: v['shape'] for w in weights for k, v in safetensors_header(w).items() if k != '__metadata__'}   # a cut or foreign weights file, named, before transformers opens it
+    else: cfg_json, shapes = None, {}
+    _no_custom_code(folder, cfg_json)
     import transformers as tf     # optional heavy dependency
-    cls = cfg = None
+    if gguf and importlib.util.find_spec('gguf') is None: raise InputError(f"{path}: a GGUF model needs the gguf package: pip install gguf")
+    kw = dict(local_files_only=True, trust_remote_code=False, **({'gguf_file': gguf} if gguf else {}))
+    tok = None
     try:
         with _quiet_transformers():
-            cfg = tf.AutoConfig.from_pretrained(p, local_files_only=True)
-            dec = _is_decoder(cfg)
+            cfg = tf.AutoConfig.from_pretrained(folder, **kw)
+            dec = _is_decoder(cfg) or bool(gguf)         # transformers builds GGUF models as causal LMs
             cls = tf.AutoModelForCausalLM if dec else tf.AutoModel
-            why = _shape_mismatch(cls, cfg, shapes)     # on the meta device first: a config that disagrees allocates nothing
+            if prompts:
+                tok = _tokenizer(tf, path, folder, kw)
+                check_positions(path, cfg, tok, prompts, max_new_tokens if dec else 0)
+            why = _shape_mismatch(cls, cfg, shapes) if shapes else None     # on the meta device first: a config that disagrees allocates nothing
             if why: raise InputError(why)
-            model, info = cls.from_pretrained(p, local_files_only=True, use_safetensors=True, output_loading_info=True)
-    except InputError as e: raise InputError(f"{path}: {e}") from None
+            extra = dict(dtype=torch.float32) if gguf else dict(use_safetensors=True)
+            model, info = cls.from_pretrained(folder, output_loading_info=True, **kw, **extra)
+    except InputError as e: raise InputError(e if str(e).startswith(str(path)) else f"{path}: {e}") from None
     except Exception as e: raise InputError(f"{path}: transformers cannot load this model ({_first_line(e)})") from None
     _check_loading(path, info)
-    try:
-        with _quiet_transformers(): tok = tf.AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except Exception as e: raise InputError(f"{path}: no usable tokenizer ({_first_line(e)})") from None
+    if tok is None: tok = _tokenizer(tf, path, folder, kw)
     return model.eval(), tok, dec
+
+def _tokenizer(tf, path, folder, kw):
+    try:
+        with _quiet_transformers(): return tf.AutoTokenizer.from_pretrained(folder, **kw)
+    except Exception as e: raise InputError(f"{path}: no usable tokenizer ({_first_line(e)})") from None
+
 
 # %% ../nbs/02b_runners.ipynb #7ffbe731-s3
 MAX_PROMPTS_BYTES = 16 * 2**20   # a prompts file larger than this is not a list of prompts (a decoder takes them all in one batch)
@@ -462,6 +563,7 @@ def read_prompts(path, # a UTF-8 text file, one prompt per line
     "The non-empty lines of a UTF-8 text file; a binary, non-UTF-8 or oversized file is one `InputError` naming the file and the line."
     p = Path(path)
     if not p.exists(): raise FileNotFoundError(f"{path}: no such prompts file")
+    check_regular(p, 'a prompts file (one prompt per line)')
     if not p.is_file(): raise InputError(f"{path}: a folder, not a prompts file (one prompt per line)")
     if p.stat().st_size > MAX_PROMPTS_BYTES: raise InputError(f"{path}: {p.stat().st_size:,} bytes, more than a prompts file holds (at most {MAX_PROMPTS_BYTES:,})")
     raw = p.read_bytes()
@@ -489,6 +591,7 @@ def record_hf(path, # a local Hugging Face folder (`load_hf`)
     "Record a local Hugging Face model on `prompts`: a decoder through `record_generate`, an encoder with `record`."
     model, tok, dec = loaded or load_hf(path)
     run_id = run_id or Path(path).name
+    check_positions(path, model.config, tok, prompts, max_new_tokens if dec else 0)   # also for a model loaded by the caller
     if dec:
         tok.padding_side = 'left'
         if tok.pad_token is None: tok.pad_token = tok.eos_token or tok.unk_token

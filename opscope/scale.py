@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_scale.ipynb #4a8d0cee
 from __future__ import annotations
-import logging, os, socket, time
+import logging, os, re, socket, time
 from contextlib import contextmanager
 from itertools import chain, islice
 from pathlib import Path
@@ -12,13 +12,15 @@ import numpy as np
 import pandas as pd
 from .tables import InputError, SCHEMA, MINE_COLS, PARTITION_TYPES, RENAMED_STATS, require_columns, as_strings, dataset_files, read_sketches
 from .tables import KEY_COLS, MANIFEST_STAT, COUNT_STATS, check_columns, vet_rows, vet_steps, drop_steps   # the one vetting, every engine
+from .tables import INT_COLS, SIZE_COLS, SPANS, SHARE_STATS, MAGNITUDE_STATS, MATMUL_ROLES, NAME_COLS, check_regular, _parquet_table
 from . import miner as _m
 from . import partials as _p
 from . import scale as _self   # this module as imported: spawned ranks unpickle `_spawned` from it (also when called from the notebook)
 
 # %% auto #0
-__all__ = ['TASK_ROWS', 'VET_ROWS', 'TASK_SHARE', 'PATIENCE', 'POLL', 'WORKER_ENV', 'record_shard', 'record_spawned',
-           'mine_duckdb', 'select_sketches', 'same_findings', 'ClusterError', 'mine_dask', 'WORKLOADS']
+__all__ = ['TASK_ROWS', 'VET_ROWS', 'TASK_SHARE', 'PATIENCE', 'POLL', 'WORKER_ENV', 'SCHEDULER_SCHEMES', 'record_shard',
+           'record_spawned', 'mine_duckdb', 'select_sketches', 'same_findings', 'ClusterError', 'scheduler_address',
+           'mine_dask', 'WORKLOADS']
 
 # %% ../nbs/03a_scale.ipynb #fb8246b6
 def record_shard(model, # an `nn.Module` (each rank holds its own replica)
@@ -119,8 +121,10 @@ def _source(con, src):
 def _parquet_files(p:Path):
     "`(part files, dataset directory)` of a local Parquet dataset directory or .parquet file, the paths absolute (a Dask worker's working directory need not be the client's); None for another file (CSV)."
     if not p.exists(): raise FileNotFoundError(f"{p}: no such file or dataset directory")
+    check_regular(p, 'a sketches file or dataset folder')
     if p.is_dir():
         files = dataset_files(p)
+        for f in files: check_regular(f, 'a Parquet part file')
         if not files: raise InputError(f"{p}: a directory without Parquet part files, so no sketches in it")
         return [f.absolute() for f in files], p.absolute()
     return ([p.absolute()], p.absolute().parent) if p.suffix.lower() == '.parquet' else None
@@ -143,7 +147,7 @@ def _parquet(files, # part files of one dataset
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s2
 def _views(con, src, name, cut=None, frm=None):
     "Views `sk` (typed, NaN and ±Inf as NULL: `miner.undefined_inf`) and `base` (matmul-style taps) over the source (or the FROM clause `frm`), vetted as every engine vets it (`_vet_sql`; `cut`: the steps to drop, vetted already); the source's columns."
-    cols = _src_view(con, frm or _source(con, src), name)
+    cols = _src_view(con, frm or _source(con, src), name, need=SCHEMA if frm is None and not isinstance(src, pd.DataFrame) else MINE_COLS)
     if cut is None: cut = _vet_sql(con, 'rank' in cols, name)
     steps = ['run_id', 'step'] + (['rank'] if 'rank' in cols else [])
     if cut: con.register('cut', pd.DataFrame(cut, columns=steps))
@@ -155,13 +159,21 @@ def _views(con, src, name, cut=None, frm=None):
     con.execute("CREATE MACRO nn(x) AS CASE WHEN isnan(x) THEN NULL ELSE x END")   # per-step NaN skipped, as pandas' mean does
     return cols
 
-def _src_view(con, frm, name, located=False):
-    "View `src` over the FROM clause `frm`: the sketch columns typed (keys as text, a missing name the empty one; schema-1 stats renamed), with `filename` and `file_row_number` if `located`; the source's columns."
-    try: cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {frm}").fetchall()]
-    except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).splitlines()[0]})") from None
-    require_columns(cols, MINE_COLS, name)
+NOT_NUMBERS = ('TIMESTAMP', 'DATE', 'TIME', 'INTERVAL', 'BOOLEAN', 'BLOB', 'BIT', 'UUID', '[', 'STRUCT', 'MAP', 'UNION')   # DuckDB types a number column may not have
+
+def _src_view(con, frm, name, located=False, need=MINE_COLS):
+    "View `src` over the FROM clause `frm`: the sketch columns typed (keys as text, a missing name the empty one; schema-1 stats renamed; the sizes `tables.SIZE_COLS` where present), with `filename` and `file_row_number` if `located`; the source's columns, which must hold `need` (a file: all of `SCHEMA`, as `read_sketches` asks), each once, numbers in number columns."
+    try: desc = con.execute(f"DESCRIBE SELECT * FROM {frm}").fetchall()
+    except Exception as e: raise InputError(f"{name}: not readable as sketches ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    cols, types = [r[0] for r in desc], {r[0]: str(r[1]).upper() for r in desc}
+    require_columns(cols, need, name)
     check_columns([c for c in cols if not (located and c in ('filename', 'file_row_number'))], name)
+    twice = next((c for i, c in enumerate(cols) if c in cols[:i]), None)
+    if twice is not None: raise InputError(f"{name}: column {twice!r} appears twice")
+    odd = next((c for c in INT_COLS + ['value'] if c in types and any(t in types[c] for t in NOT_NUMBERS)), None)
+    if odd: raise InputError(f"{name}: column {odd!r} holds {types[odd]} values, not numbers (column {odd!r} must hold {'numbers' if odd == 'value' else 'integers'})")
     rank = ', CAST("rank" AS BIGINT) AS "rank"' if 'rank' in cols else ''
+    rank += ''.join(f', CAST({_qi(c)} AS BIGINT) AS {_qi(c)}' for c in SIZE_COLS if c in cols)
     text = lambda c: f"coalesce(CAST({c} AS VARCHAR), '')"     # a missing name is the empty name, as `tables.as_strings` reads it
     con.execute(f"""CREATE VIEW src AS SELECT {text('run_id')} run_id, {text('dist')} dist, {text('site')} site, {text('role')} role,
         CAST(step AS BIGINT) step, coalesce({_stat_sql()}, '') stat, CAST(idx AS BIGINT) idx, CAST(value AS DOUBLE) AS value{rank}
@@ -175,22 +187,38 @@ def _vet_sql(con, rank, name):
     "`tables.vet_steps` on the facts `tables.vet_rows` gathers, gathered by DuckDB over view `src` (`_vet_facts`); the steps to drop."
     return vet_steps([_vet_facts(con, rank)], name)
 
+def _bad_sql(cols)->str:
+    "`tables._bad_mask` in SQL over view `src` (whose columns are `cols`): a row no recorder writes. (DuckDB orders NaN above every number: a share is compared only where it is a number.)"
+    l = lambda names: ', '.join(map(_Q, names))
+    sizes = [c for c in SIZE_COLS if c in cols]
+    return ' OR '.join([f"stat IN ({l(COUNT_STATS)}) AND NOT coalesce(isfinite(value) AND value >= 0, false)",
+        f"stat IN ({l(SHARE_STATS)}) AND NOT isnan(value) AND (value < 0 OR value > 1)", f"stat IN ({l(MAGNITUDE_STATS)}) AND value < 0",
+        "step IS NULL OR step < 0", *[f"contains({c}, chr(0))" for c in NAME_COLS]] + [f"{_qi(c)} < 0" for c in sizes]
+        + [f"role = {_Q(role)} AND stat <> {_Q(MANIFEST_STAT)} AND numel > 0 AND {_qi(c)} < 1" for role, dims in SPANS.items() for c in dims
+           if c in sizes and 'numel' in sizes])
+
 def _vet_facts(con, rank, steps=True, dup=True):
-    "`tables.vet_rows` over view `src`: per step its rows, manifests and what they announce (if `steps`; else None), the first key held twice (if `dup`; else None), the first bad count."
+    "`tables.vet_rows` over view `src`: per step its rows, manifests and what they announce (if `steps`; else None), the first key held twice (if `dup`; else None), the first row no recorder writes (`tables.first_bad_value`) and the matmul taps' sizes (`tables.site_sizes`; None without M, K and N)."
     g = 'run_id, step' + (', "rank"' if rank else '')
     keys = ', '.join(map(_qi, KEY_COLS + (['rank'] if rank else [])))
-    data, counts = f"stat <> {_Q(MANIFEST_STAT)}", f"stat IN ({', '.join(map(_Q, COUNT_STATS))}) AND NOT coalesce(isfinite(value) AND value >= 0, false)"
-    s = twice = bad = None
+    cols = [r[0] for r in con.execute("DESCRIBE src").fetchall()]
+    data, counts = f"stat <> {_Q(MANIFEST_STAT)}", _bad_sql(cols)
+    s = twice = bad = sizes = None
     if steps:
         s = con.execute(f"""SELECT {g}, count(*) FILTER (WHERE {data}) "rows", count(*) FILTER (WHERE NOT {data}) manifests,
             max(value) FILTER (WHERE NOT {data}) announced, max(idx) FILTER (WHERE NOT {data}) version, count(*) FILTER (WHERE {counts}) bad
             FROM src GROUP BY ALL""").df()
         if s.bad.any():
-            bad = tuple(con.execute(f"SELECT {keys}, coalesce(value, 'NaN'::DOUBLE) FROM src WHERE {counts} ORDER BY {keys} LIMIT 1").fetchone())
+            extra = ', '.join(_qi(c) if c in cols else 'NULL' for c in SIZE_COLS)
+            bad = con.execute(f"SELECT {keys}, coalesce(value, 'NaN'::DOUBLE), {extra} FROM src WHERE {counts} ORDER BY {keys} LIMIT 1").fetchone()
+            bad = tuple(float('nan') if x is None else x for x in bad)
+        if {'M', 'K', 'N'} <= set(cols):
+            sizes = con.execute(f"""SELECT run_id, site, role, M, min(K) K_lo, max(K) K_hi, min(N) N_lo, max(N) N_hi FROM src
+                WHERE role IN ({', '.join(map(_Q, MATMUL_ROLES))}) AND stat = 'numel' GROUP BY ALL""").df()
         s = s.drop(columns=['bad']).astype({'version': float, 'announced': float})
     if dup and con.execute(f"""SELECT EXISTS (SELECT 1 FROM src WHERE {data} GROUP BY hash({g}, site, role, stat, idx) HAVING count(*) > 1)""").fetchall()[0][0]:
         twice = con.execute(f"SELECT {keys} FROM src WHERE {data} GROUP BY ALL HAVING count(*) > 1 ORDER BY ALL LIMIT 1").fetchone()   # one integer key a row: a group-by that spills, not count(DISTINCT); a hash collision is checked exactly
-    return s, twice and tuple(twice), bad
+    return s, twice and tuple(twice), bad, sizes
 
 # %% ../nbs/03a_scale.ipynb #d1a07cae-s3
 def _stat_sql():
@@ -231,7 +259,7 @@ def _batches(taps, # tap codes, ascending
 def _tap_batches(con)->list:
     """Tables keyed by a tap code (`ctaps`: tap -> KEYS), once per connection (plain tables, not TEMP ones, as all of this engine's: in a Dask
     task's database file, `_task_con`, they are stored compressed and evicted under its memory limit; in `mine_duckdb`'s in-memory database the two are the same): `chan` (the `chan_absmax` rows of view `sk`; `mm`: a
-    matmul-style tap, as view `base` keeps), `hist` (the `hist` rows of `base`), `tstep` (absmax and numel per (tap, step) of `base`) and `few` (the steps with too few rows for the outlier rules),
+    matmul-style tap, as view `base` keeps), `hist` (the `hist` rows of `base`), `tstep` (absmax and numel per (tap, step) of `base`) and `win` (each step's evidence window for the outlier rules, `miner.evidence_windows`),
     each sorted by tap so that a batch of taps is a range scan; the batches of about `BATCH_ROWS` chan_absmax rows."""
     con.execute(f"""CREATE TABLE IF NOT EXISTS ctaps AS SELECT *, row_number() OVER (ORDER BY {K}) - 1 tap
                     FROM (SELECT {K}, count(*) FILTER (WHERE stat = 'chan_absmax') n FROM sk GROUP BY ALL)""")
@@ -241,8 +269,15 @@ def _tap_batches(con)->list:
                     FROM base JOIN ctaps USING ({K}) WHERE stat = 'hist' ORDER BY tap""")
     con.execute(f"""CREATE TABLE IF NOT EXISTS tstep AS SELECT tap, step, max(CASE WHEN stat = 'absmax' THEN nn(value) END) absmax,
                     max(CASE WHEN stat = 'numel' THEN nn(value) END) numel FROM base JOIN ctaps USING ({K}) WHERE stat IN ('absmax', 'numel') GROUP BY ALL ORDER BY tap""")
-    con.execute(f"""CREATE TABLE IF NOT EXISTS few AS SELECT tap, step FROM sk JOIN ctaps USING ({K}) WHERE stat = 'row_energy'
-                    GROUP BY ALL HAVING count(value) < {_m.OUTLIER_MIN_ROWS}""")
+    mr = _m.OUTLIER_MIN_ROWS     # `win`: each (tap, step)'s evidence window and whether it is evidence, as `miner.evidence_windows`
+    con.execute(f"""CREATE TABLE IF NOT EXISTS win AS WITH
+        n AS (SELECT tap, step, count(value) n FROM sk JOIN ctaps USING ({K}) WHERE stat = 'row_energy' GROUP BY ALL),
+        s AS (SELECT tap, step, n, (row_number() OVER (PARTITION BY tap ORDER BY step) - 1) // CAST(ceil({mr} / min(n) OVER (PARTITION BY tap)) AS BIGINT) wi
+              FROM n WHERE n > 0 AND n < {mr}),
+        a AS (SELECT tap, step, min(step) OVER (PARTITION BY tap, wi) w, sum(n) OVER (PARTITION BY tap, wi) >= {mr} "full", true small FROM s
+              UNION ALL SELECT tap, step, step w, n >= {mr} "full", false small FROM n WHERE NOT (n > 0 AND n < {mr})),
+        b AS (SELECT *, sum(CASE WHEN "full" AND step = w THEN 1 ELSE 0 END) OVER (PARTITION BY tap) nfull FROM a)
+        SELECT tap, step, w, "full" OR small AND nfull >= 1 AND nfull < {_m.OUTLIER_MIN_STEPS} ok FROM b ORDER BY tap""")
     n = con.execute("SELECT tap, n FROM ctaps ORDER BY tap").fetchnumpy()
     return _batches(n['tap'], n['n'], BATCH_ROWS) or [(0, -1)]   # no taps: one empty batch, so the queries still give their columns
 
@@ -294,14 +329,15 @@ def _channel_findings_sql(con):
         SELECT {K}, 'chan_density' stat, 0 step, idx, value FROM d WHERE value <= {_m.DEAD_CHANNEL_DENSITY}
         UNION SELECT {K}, 'chan_density' stat, 0 step, idx, value FROM d QUALIFY idx = max(idx) OVER (PARTITION BY {K})""")   # the dead channels, and each tap's last (its channel count): not every channel
     share = pd.concat([_q(con, f"""WITH c AS (SELECT tap, step, idx, value FROM chan WHERE tap BETWEEN {lo} AND {hi}),
-        e AS (SELECT * FROM c ANTI JOIN few USING (tap, step)),
-        m AS (SELECT tap, step, median(value) med, count(*) n FROM e GROUP BY ALL),
+        cw AS (SELECT c.*, coalesce(win.w, c.step) w, coalesce(win.ok, true) ok FROM c LEFT JOIN win USING (tap, step)),
+        e AS (SELECT tap, w step, idx, max(nn(value)) value, count(DISTINCT step) pooled FROM cw WHERE ok GROUP BY tap, w, idx),
+        m AS (SELECT tap, step, median(value) med, count(*) n, max(pooled) pooled FROM e GROUP BY ALL),
         r AS (SELECT tap, step, idx, e.value / CASE WHEN m.med > 0 THEN m.med END ratio FROM e JOIN m USING (tap, step)),
         t AS (SELECT r.*, CASE WHEN ratio >= {_m.OUTLIER_TOP_RATIO} THEN rank() OVER (PARTITION BY tap, step ORDER BY ratio DESC NULLS LAST) ELSE m.n END rk
               FROM r JOIN m USING (tap, step)),
-        s AS (SELECT tap, count(*) steps, count(DISTINCT med) draws, max(n) channels FROM m GROUP BY ALL),
-        f AS (SELECT tap, count(DISTINCT step) few FROM c SEMI JOIN few USING (tap, step) GROUP BY ALL)
-        SELECT {K}, idx, share, value, lo, rk "rank", steps, draws, channels, coalesce(few, 0) few FROM (
+        s AS (SELECT tap, count(*) steps, sum(pooled) pooled, count(DISTINCT med) draws, max(n) channels FROM m GROUP BY ALL),
+        f AS (SELECT tap, count(DISTINCT step) few FROM cw WHERE NOT ok GROUP BY ALL)
+        SELECT {K}, idx, share, value, lo, rk "rank", steps, pooled, draws, channels, coalesce(few, 0) few FROM (
             SELECT tap, idx, avg(CASE WHEN ratio > {_m.OUTLIER_RATIO} THEN 1.0 ELSE 0.0 END) share, avg(nn(ratio)) value, min(ratio) lo,
                    max(rk) rk FROM t GROUP BY ALL) JOIN s USING (tap) LEFT JOIN f USING (tap) JOIN ctaps USING (tap)
         WHERE share >= {_m.OUTLIER_PERSIST} OR lo >= {_m.OUTLIER_TOP_RATIO}""") for lo, hi in _tap_batches(con)], ignore_index=True)   # per (tap, step) medians and ranks, a batch of whole taps at a time
@@ -490,7 +526,8 @@ def _merged_vets(parts:list)->list:
     g = [c for c in ['run_id', 'step', 'rank'] if c in s]
     s = s.groupby(g, sort=False).agg(rows=('rows', 'sum'), manifests=('manifests', 'sum'), announced=('announced', 'max'), version=('version', 'max'))
     first = lambda k: min((p[k] for p in parts if p[k] is not None), default=None)
-    return [(s.reset_index(), first(1), first(2))]
+    sizes = [p[3] for p in parts if len(p) > 3 and p[3] is not None]
+    return [(s.reset_index(), first(1), first(2), pd.concat(sizes, ignore_index=True) if sizes else None)]
 
 def _whole_taps(sk, run, delayed):
     "`sk` with every (tap, step) inside one partition (shuffled on them if not), the number of steps, the partitions' `vet_rows`, the step table and probability rows read in that pass (None if shuffled) and the taps numbered (`_coded`); refuses steps from two ranks."
@@ -522,14 +559,19 @@ def _dask_tables(sk, run, taps, seed=0):
     many = dict(split_out=_spread(sk))   # per-channel tables: spread over output partitions, none combined whole on one worker
     base = sk[~sk.role.isin(list(P.INFER_ROLES))]
     ch = sk[sk.stat.isin(['chan_absmax', 'row_energy'])].map_partitions(P.chan_ratios)
-    cs, ev = ch.map_partitions(P.chan_steps), ch[ch.ok].map_partitions(_coded, taps)
+    cs = ch.map_partitions(P.chan_steps)
+    win = _m.windows_of(run(sk.map_partitions(_m.step_rows))[0])   # one row per (tap, step): the evidence windows, as `miner.evidence_windows`
+    chan = sk[sk.stat == 'chan_absmax']
+    pw = chan.map_partitions(P.window_chan, win).groupby(K + ['w', 'idx']).agg({'value': 'max', 'pooled': 'sum'}, **many).reset_index()
+    wr = pw.shuffle(on=K + ['w']).map_partitions(P.window_ratios, meta=P.window_ratios(pw._meta))   # each window whole in one partition, for its median and ranks
+    ws, ev = wr.map_partitions(P.window_steps, meta=P.window_steps(wr._meta)), wr.map_partitions(_coded, taps)
     rs = sk.map_partitions(P.row_steps)
     q = dict(dead=sk[sk.stat == 'chan_density'].map_partitions(_coded, taps).groupby(['tap', 'idx']).value.max(**many),
              share=ev.groupby(['tap', 'idx'])[['hit', 'ratio']].mean(**many),
              lo=ev.groupby(['tap', 'idx']).agg({'ratio': 'min', 'rank': 'max'}, **many),
-             ev=cs[cs.ok].groupby(K).agg({'step': 'count', 'n': 'max'}, **one),
-             draws=cs[cs.ok].groupby(K).med.nunique(**one),
-             few=cs[~cs.ok].groupby(K).step.count(**one),
+             ev=ws.groupby(K).agg({'step': 'count', 'n': 'max', 'pooled': 'sum'}, **one),
+             draws=ws.groupby(K).med.nunique(**one),
+             few=chan.map_partitions(P.unread_steps, win).groupby(K).step.count(**one),
              isum=sk[sk.role.isin(list(P.INFER_ROLES)) & (sk.stat != 'head_mass')].groupby(K + ['stat', 'idx']).value.sum(**one),
              head=sk.map_partitions(P.head_keys).groupby(K + ['h', 'key']).value.sum(**one),
              numel=base[base.stat == 'numel'][G + ['value']],
@@ -641,7 +683,7 @@ def _task_db(name:str):
 def _file_parts(files, workers:int)->list:
     "`files` in consecutive lists of about `VET_ROWS` rows (by their metadata), at least 2 × `workers` of them where the files allow."
     import pyarrow.parquet as pq
-    rows = np.array([pq.read_metadata(f).num_rows for f in files], dtype=float)
+    rows = np.array([_parquet_table(f, lambda f: pq.read_metadata(f).num_rows) for f in files], dtype=float)   # a damaged file named
     n = min(len(files), max(2 * workers, int(-(-rows.sum() // VET_ROWS))))
     part = np.minimum((np.cumsum(rows) - rows) * n // max(rows.sum(), 1), n - 1).astype(int)
     return [[str(f) for f, k in zip(files, part) if k == i] for i in sorted(set(part))]
@@ -649,11 +691,11 @@ def _file_parts(files, workers:int)->list:
 def _vet_part(files, root, name):
     "A task: the vetting facts of some part files (`_vet_facts`, but for the duplicate check, which `_batch_tables` makes a batch of whole taps at a time), where each tap's rows lie (rows, first and last row number per file), and the files' columns."
     with _task_db(name) as con:
-        cols = _src_view(con, _parquet(files, root, located=True), name, located=True)
-        s, _, bad = _vet_facts(con, 'rank' in cols, dup=False)
+        cols = _src_view(con, _parquet(files, root, located=True), name, located=True, need=SCHEMA)
+        s, _, bad, sizes = _vet_facts(con, 'rank' in cols, dup=False)
         loc = con.execute(f"""SELECT {K}, filename, min(file_row_number) lo, max(file_row_number) hi, count(*) n FROM src
                               WHERE stat <> {_Q(MANIFEST_STAT)} GROUP BY ALL""").df()
-        return s, bad, loc, cols
+        return s, bad, loc, cols, sizes
 
 def _tap_tasks(loc:pd.DataFrame, # `_vet_part`'s locations, all files
                rows:int=None, # rows a batch holds, about (default `TASK_ROWS`)
@@ -707,7 +749,7 @@ def _mine_batched(files, root, name, run, delayed, workers, seed=0, stats=()):
     types = {k: PARTITION_TYPES.get(k, 'string') for k in _partition_keys(files[0], root)}
     facts = run(*[delayed(_vet_part)(fs, root, name) for fs in _file_parts(files, workers)])
     rank = 'rank' in facts[0][3]
-    vets = _merged_vets([(s, None, bad) for s, bad, _, _ in facts])
+    vets = _merged_vets([(s, None, bad, sizes) for s, bad, _, _, sizes in facts])
     tasks = _tap_tasks(pd.concat([f[2] for f in facts], ignore_index=True))
     batch = lambda **k: [delayed(_batch_tables)(taps, g, root, types, rank, cut, name, seed, stats=stats, **k) for taps, g in tasks]
     def dups(out):
@@ -738,6 +780,25 @@ class ClusterError(InputError, RuntimeError):
 PATIENCE = 30.0   # seconds `mine_dask` waits on a worker that stays paused (or on a cluster without workers) before it fails
 POLL = 0.5        # seconds between two looks at the workers while a computation runs
 WORKER_ENV = {'ARROW_DEFAULT_MEMORY_POOL': 'system'}   # for the workers: Arrow's default allocator (mimalloc) keeps the pages it frees; glibc's, which Dask's nanny sets to trim (MALLOC_TRIM_THRESHOLD_), gives them back
+
+SCHEDULER_SCHEMES = ('tcp', 'tls', 'ws', 'wss', 'ucx')   # Dask's network protocols
+
+def scheduler_address(addr:str, # a Dask scheduler address, as a user gives it (`--scheduler`)
+                     )->str:
+    "`addr` checked as a Dask scheduler address — `PROTOCOL://HOST:PORT` or `HOST:PORT` — or one `InputError` line. A cluster is trusted like this machine: Dask moves pickles, so what its scheduler and workers send back runs in this process."
+    m = re.fullmatch(r'(?:([a-z]+)://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9._-]*):(\d{1,5})/?', str(addr))
+    if not m or (m[1] and m[1] not in SCHEDULER_SCHEMES) or not 0 < int(m[3]) < 65536:
+        raise InputError(f"scheduler {str(addr)[:200]!r}: not a Dask scheduler address (expected tcp://HOST:PORT, or tls://HOST:PORT "
+                         "with Dask's TLS settings)")
+    return str(addr)
+
+def _connect_client(distributed, addr, security):
+    "A `distributed.Client` on the scheduler at `addr` (checked), with `security` (None: Dask's config, `distributed.comm.tls.*`); a failure to connect is one `ClusterError` line."
+    addr = scheduler_address(addr)
+    try: return distributed.Client(addr, security=security)
+    except (OSError, TimeoutError, TypeError, ValueError) as e:
+        raise ClusterError(f"cannot connect to the Dask scheduler at {addr} ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no reason given'})") from None
 
 
 # %% ../nbs/03a_scale.ipynb #8c1e5a01-s1
@@ -817,14 +878,16 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
               rows=(), # also return these stats' raw rows in `findings.attrs['rows']` (e.g. ('density',) for a report)
               seed:int=0, # seeds `miner.cross_step`'s shuffles
               patience:float=PATIENCE, # seconds a worker may stay paused at its memory limit (or the cluster have no worker) before the call fails
+              security=None, # with a scheduler address: a `distributed.Security` (TLS certificates), or None for Dask's config (`distributed.comm.tls.*`, e.g. DASK_DISTRIBUTED__COMM__TLS__CA_FILE)
              )->pd.DataFrame:
     "`miner.mine`'s findings, reduced on a Dask cluster (a local Parquet dataset: a batch of whole taps per task, by DuckDB on the workers; anything else: distributed group-bys); only pooled tables come back."
     dask, dd, distributed = _dask()
     cluster = None
     if client is None:
         cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=memory_limit, env=WORKER_ENV,
-                                           dashboard_address=None, silence_logs=logging.ERROR)   # its notes (shuffles, pauses) are not the user's: a failure is one ClusterError
-    c = client if isinstance(client, distributed.Client) else distributed.Client(cluster or client)
+                                           dashboard_address=None, silence_logs=logging.CRITICAL)   # its notes (shuffles, pauses, a task's "Compute Failed" block) are not the user's: a failure is one line
+    c = (client if isinstance(client, distributed.Client) else distributed.Client(cluster) if cluster is not None
+         else _connect_client(distributed, client, security))
     try:
         watch = _Watch(c, patience)
         run = lambda *xs: _run(c, xs, watch, distributed)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_shapes.ipynb #ab24fa2f
 from __future__ import annotations
-import inspect, math, time
+import contextlib, inspect, math, time
 import numpy as np
 import pandas as pd
 import torch
@@ -332,6 +332,18 @@ def torchvision_models()->list:
 
 
 # %% ../nbs/06_shapes.ipynb #9b1ca41c
+@contextlib.contextmanager
+def _weights_on_meta():
+    "Within the block every parameter and buffer a module registers moves to the `meta` device as it is registered (before its initializer runs), while other tensors stay on the CPU — as `accelerate.init_empty_weights` does."
+    reg_p, reg_b = nn.Module.register_parameter, nn.Module.register_buffer
+    def param(self, name, p):
+        reg_p(self, name, p)
+        if p is not None: self._parameters[name] = nn.Parameter(p.to('meta'), requires_grad=p.requires_grad)
+    def buf(self, name, b, persistent=True): reg_b(self, name, b if b is None else b.to('meta'), persistent)
+    nn.Module.register_parameter, nn.Module.register_buffer = param, buf
+    try: yield
+    finally: nn.Module.register_parameter, nn.Module.register_buffer = reg_p, reg_b
+
 def shapes_model(name:str, # a zoo model (`ZOO_MODELS`) or a torchvision classification model name
                  batch:int=1, # batch size
                  device=None, # device for torchvision models (default `meta`: shapes only)
@@ -346,11 +358,12 @@ def shapes_model(name:str, # a zoo model (`ZOO_MODELS`) or a torchvision classif
                          "model such as resnet18, mobilenet_v2, vit_b_16")
     from torchvision.models import get_model, get_model_weights
     size = get_model_weights(name).DEFAULT.transforms().crop_size[0]
-    if device is None:
+    if device is None:              # shapes only: no weight is allocated, no value computed, whatever the batch
         try:
             with torch.device('meta'): m = get_model(name, weights=None).eval()
-            return m, (torch.randn(batch, 3, size, size, device='meta'),)
-        except NotImplementedError: device = 'cpu'  # a builder that reads values while initializing (regnet)
+        except NotImplementedError:  # a builder that reads values while initializing (regnet): its arithmetic on the CPU, its weights on meta
+            with _weights_on_meta(): m = get_model(name, weights=None).eval()
+        return m, (torch.randn(batch, 3, size, size, device='meta'),)
     with torch.device(device): m = get_model(name, weights=None).eval()
     return m, (torch.randn(batch, 3, size, size, device=device),)
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01a_sites.ipynb #e86aec50
 from __future__ import annotations
-import contextlib, copy, io, logging, operator
+import contextlib, copy, io, logging, operator, re, sys
 from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
@@ -15,9 +15,9 @@ from torch.fx.passes.shape_prop import ShapeProp
 from .tables import InputError, ModelError
 
 # %% auto #0
-__all__ = ['EAGER_EXPERTS', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES', 'GROUPED_OPS',
-           'GROUPED_FNS', 'INFER_KINDS', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'rebuild', 'site_name',
-           'expert_site', 'site_names', 'matmul_sites', 'walk_up', 'InferSite', 'infer_sites']
+__all__ = ['EAGER_EXPERTS', 'EAGER_ONLY', 'MATMUL_TARGETS', 'MATMUL_METHODS', 'SDPA_TARGETS', 'CONV_TARGETS', 'CONV_MODULES',
+           'GROUPED_OPS', 'GROUPED_FNS', 'INFER_KINDS', 'SOFTMAX_TARGETS', 'TOPK_TARGETS', 'trace', 'Site', 'rebuild',
+           'site_name', 'expert_site', 'site_names', 'matmul_sites', 'walk_up', 'InferSite', 'infer_sites']
 
 # %% ../nbs/01a_sites.ipynb #3a0ebbbb
 def _shape_prop(gm, args, kwargs):
@@ -37,22 +37,42 @@ EAGER_EXPERTS = ("cannot trace {}: its MoE experts run eagerly (experts_implemen
                  "experts the data hit, which no graph can hold); build it with experts_implementation='grouped_mm' "
                  "(or 'batched_mm'), e.g. from_config(cfg, experts_implementation='grouped_mm'), or call "
                  "model.set_experts_implementation('grouped_mm')")
+EAGER_ONLY = ("cannot trace {}: its MoE experts run eagerly (a Python loop over the experts the data hit, which no graph can "
+              "hold), and transformers gives this family no other experts_implementation (it refuses 'grouped_mm' and "
+              "'batched_mm'), so opscope cannot record it")
 
 # %% ../nbs/01a_sites.ipynb #3a0ebbbb-s2
-def _eager_experts(model):
-    "True for a transformers model whose experts run the eager per-expert loop."
-    impl = getattr(getattr(model, 'config', None), '_experts_implementation', None)
-    return impl == 'eager' and any(type(m).__name__.endswith('Experts') for m in model.modules())
+def _hf_model(model):
+    "The transformers model in `model` (itself, or the one a wrapper such as `runners.StaticDecoder` holds), else None."
+    return next((m for m in model.modules() if hasattr(getattr(m, 'config', None), '_experts_implementation')), None)
+
+def _eager_experts(model)->str|None:
+    "For a transformers model (or a wrapper of one) whose experts run the eager per-expert loop: the one-line diagnosis, fitted to what its family allows; else None."
+    hf = _hf_model(model)
+    if hf is None or hf.config._experts_implementation != 'eager' or not any(type(m).__name__.endswith('Experts') for m in hf.modules()): return None
+    try: other = getattr(hf, '_can_set_experts_implementation', lambda: True)()
+    except Exception: other = True
+    return (EAGER_EXPERTS if other else EAGER_ONLY).format(type(hf).__name__)
+
+def _cache_output(model, e, kwargs)->str|None:
+    "For an export that failed on a cache object in the outputs (`use_cache=True`): the one-line advice; else None."
+    found = re.search(r"Found <class '([\w.]+)'> in output", str(e))
+    if found is None: return None
+    cls = found.group(1).rsplit('.', 1)[-1]
+    fix = ("leave use_cache unset (opscope runs the forward without its cache by default) or pass use_cache=False"
+           if kwargs.get('use_cache') else "return tensors only (a dict, tuple or list of them)")
+    return f"cannot trace {type(model).__name__}: its forward returns a {cls}, which no graph can return; {fix}"
 
 # %% ../nbs/01a_sites.ipynb #3a0ebbbb-s5
 @contextlib.contextmanager
 def _quiet_export():
     "Hold back torch.export's warning that a `Dim.AUTO` dimension of size 0 or 1 was specialized (a decode step's one token), unless the user set that logger's level (`TORCH_LOGS`)."
-    log = logging.getLogger('torch._export.non_strict_utils')
-    level = log.level
-    if level == logging.NOTSET: log.setLevel(logging.ERROR)
+    logs = [(l, l.level) for l in map(logging.getLogger, ('torch._export.non_strict_utils', 'torch.export._trace'))]
+    for l, level in logs:
+        if level == logging.NOTSET: l.setLevel(logging.CRITICAL)   # also export's own error report: opscope's one line says it
     try: yield
-    finally: log.setLevel(level)
+    finally:
+        for l, level in logs: l.setLevel(level)
 
 # %% ../nbs/01a_sites.ipynb #3a0ebbbb-s3
 def trace(model:nn.Module, # the model to trace (left untouched)
@@ -71,14 +91,20 @@ def trace(model:nn.Module, # the model to trace (left untouched)
         except Exception as e:
             if how == 'fx': raise
             fx_error = e
+    said = io.StringIO()   # torch.export prints a failed graph (hundreds of lines) to stderr: held back, and given back on success
     try:
-        with _quiet_export(): ep = torch.export.export(model, tuple(example_inputs), example_kwargs or None, strict=False,
-                                                       dynamic_shapes=_auto_dims(model, example_inputs, example_kwargs))
+        with _quiet_export(), contextlib.redirect_stderr(said):
+            ep = torch.export.export(model, tuple(example_inputs), example_kwargs or None, strict=False,
+                                     dynamic_shapes=_auto_dims(model, example_inputs, example_kwargs))
     except Exception as e:
-        if _eager_experts(model): raise ModelError(EAGER_EXPERTS.format(type(model).__name__)) from e
-        msg = f"cannot trace {type(model).__name__}: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        if fx_error is not None: msg += f"; torch.fx failed first ({type(fx_error).__name__}: {str(fx_error).splitlines()[0]})"
-        raise ModelError(msg) from e
+        msg = _eager_experts(model) or _cache_output(model, e, example_kwargs)
+        if msg is None:
+            msg = f"cannot trace {type(model).__name__}: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            if fx_error is not None: msg += f"; torch.fx failed first ({type(fx_error).__name__}: {str(fx_error).splitlines()[0]})"
+        err = ModelError(msg)
+        err.export_error = e   # torch's own error, for a debugger: not chained, so a terminal shows the one line
+        raise err from None
+    if said.getvalue(): sys.stderr.write(said.getvalue())
     gm = ep.module()
     gm.meta['opscope_tracer'] = 'export'
     return gm
@@ -322,12 +348,33 @@ def _is_cast(n):
     return (n.op == 'call_function' and n.target in CAST_TARGETS
             or n.op == 'call_method' and n.target in ('to', 'float', 'half', 'bfloat16', 'type_as'))
 
+def _op_name(n)->str:
+    "The bare op name of a call node, whichever form the tracer wrote (`aten.max.dim`, `torch.max`, `.max()`: 'max')."
+    if n.op == 'call_method': return n.target
+    t = n.target
+    return getattr(t, '_opname', None) or getattr(t, '__name__', '') if n.op == 'call_function' else ''
+
+PASS_OPS = ('add', 'sub', 'mul', 'div', 'clone', 'contiguous')   # elementwise ops a router puts between its softmax and its choice (a bias: Ernie-4.5)
+SELECT_OPS = ('topk', 'max', 'argmax', 'sort', 'argsort')           # ops that choose entries along a dim: the experts, after a router's softmax
+
+def _selects(n)->bool:
+    "A call that chooses along a dim (top-k, max or sort over a dim): what a router does with its scores, never attention with its probabilities."
+    name = _op_name(n)
+    return name in SELECT_OPS and (name != 'max' or len(n.args) > 1 or 'dim' in n.kwargs)
+
+def _chosen(idx)->bool:
+    "Whether `idx` is the indices of a choice (`_selects`), a few reshapes apart."
+    return walk_up(idx, lambda n: _selects(n) and _op_name(n) == 'argmax' or n.target is operator.getitem and n.args[1] == 1
+                   and isinstance(n.args[0], fx.Node) and _selects(n.args[0]), 4) is not None
+
 def _is_router(gm, node):
-    "A router's softmax, which the gate tap at its top-k covers: one that feeds a top-k (scores, then the k best: Mixtral) or one over a top-k's values (the k best, then their weights: GraniteMoE, GPT-OSS), a cast between them allowed."
+    "A router's softmax, which the gate tap at its top-k covers, recognized by what it feeds, not by names: its scores (through casts or a bias) choose the experts (a top-k, max or sort over them: Mixtral, Ernie-4.5), or are gathered at the chosen experts (PhiMoE's sparsemixer), or it is a softmax over a top-k's values (the k best, then their weights: GraniteMoE, GPT-OSS)."
     topk = lambda n: (_infer_kind(gm, n) or ('',))[0] == 'topk'
-    feeds = lambda n, hops: any(topk(u) or hops and _is_cast(u) and feeds(u, hops - 1) for u in n.users)
+    passes = lambda u: _is_cast(u) or _op_name(u) in PASS_OPS
+    gathered = lambda u, x: _op_name(u) == 'gather' and u.args and u.args[0] is x and isinstance(idx := _arg(u, 2, 'index', None), fx.Node) and _chosen(idx)
+    feeds = lambda n, hops: any(topk(u) or _selects(u) and u.args and u.args[0] is n or gathered(u, n) or hops and passes(u) and feeds(u, hops - 1) for u in n.users)
     src = node.args[0] if node.args else None
-    return feeds(node, 2) or isinstance(src, fx.Node) and walk_up(src, lambda n: topk(n) or n.target is operator.getitem and topk(n.args[0]), 3) is not None
+    return feeds(node, 3) or isinstance(src, fx.Node) and walk_up(src, lambda n: topk(n) or n.target is operator.getitem and topk(n.args[0]), 3) is not None
 
 # %% ../nbs/01a_sites.ipynb #8f6d702a
 def infer_sites(gm:fx.GraphModule, # from `trace`

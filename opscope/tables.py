@@ -4,18 +4,20 @@
 
 # %% ../nbs/00a_tables.ipynb #6816d233
 from __future__ import annotations
-import contextlib, csv, io, os, re, tempfile, warnings, zlib
+import contextlib, csv, io, os, re, stat, tempfile, warnings, zlib
 from pathlib import Path
 import numpy as np
 import pandas as pd
 
 # %% auto #0
 __all__ = ['SCHEMA', 'INT_COLS', 'STR_COLS', 'SCHEMA_VERSION', 'RENAMED_STATS', 'MINE_COLS', 'PARTITION_TYPES', 'KEY_COLS',
-           'MANIFEST_STAT', 'COUNT_STATS', 'RESERVED_COLS', 'TEXT_COLS', 'COMMIT_SUFFIX', 'MAX_LINE', 'MAX_COLUMNS',
-           'STEPS_NAMED', 'MAX_TABLE_BYTES', 'InputError', 'ModelError', 'MissingError', 'atomic_write',
-           'manifest_rows', 'with_manifest', 'require_columns', 'as_strings', 'dataset_files', 'part_files',
-           'check_columns', 'step_summary', 'first_duplicate', 'first_bad_count', 'vet_rows', 'vet_steps', 'drop_steps',
-           'vet_sketches', 'read_sketches', 'json_depth', 'read_csv_table', 'row_error', 'as_numbers']
+           'MANIFEST_STAT', 'COUNT_STATS', 'SHARE_STATS', 'MAGNITUDE_STATS', 'SIZE_COLS', 'MATMUL_ROLES', 'SPANS',
+           'NAME_COLS', 'RESERVED_COLS', 'TEXT_COLS', 'COMMIT_SUFFIX', 'MAX_LINE', 'MAX_COLUMNS', 'STEPS_NAMED',
+           'MAX_TABLE_BYTES', 'InputError', 'ModelError', 'MissingError', 'atomic_write', 'shown', 'manifest_rows',
+           'with_manifest', 'require_columns', 'as_strings', 'dataset_files', 'not_regular', 'check_regular',
+           'part_files', 'check_columns', 'step_summary', 'first_duplicate', 'first_bad_value', 'site_sizes',
+           'vet_rows', 'vet_steps', 'drop_steps', 'vet_sketches', 'read_sketches', 'json_depth', 'read_csv_table',
+           'row_error', 'as_numbers']
 
 # %% ../nbs/00a_tables.ipynb #87253b86
 class InputError(ValueError):
@@ -52,8 +54,16 @@ def atomic_write(path): # the file the block produces
         with open(tmp, 'rb') as f: os.fsync(f.fileno())   # durable before it takes the name
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as e:                  # a full disk names the file it could not produce (an fsync's error names none)
+        if e.filename is None or e.filename == tmp: raise OSError(e.errno, e.strerror, shown(path)) from None
+        raise
     finally:
         if os.path.exists(tmp): os.unlink(tmp)
+
+def shown(path)->str:
+    "`path` as an error line shows it: as typed, or quoted like a Python string when it holds a newline or another unprintable character (the line stays one line)."
+    s = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    return s if s.isprintable() else repr(s)
 
 # %% ../nbs/00a_tables.ipynb #8ed7429b
 SCHEMA = ['run_id', 'step', 'backend', 'dist', 'M', 'K', 'N', 'numel', 'site', 'role', 'stat', 'idx', 'value']
@@ -66,6 +76,12 @@ PARTITION_TYPES = {'run_id': 'string', 'rank': 'int64', 'step': 'int64'}   # dat
 KEY_COLS = ['run_id', 'step', 'site', 'role', 'stat', 'idx']   # a row's key (with `rank` where present): no table holds one twice
 MANIFEST_STAT = 'step_rows'   # a step's manifest row: `value` = the step's other rows, `idx` = SCHEMA_VERSION, no site or role
 COUNT_STATS = ('numel', 'nan_count', 'inf_count', MANIFEST_STAT)   # counts: finite and >= 0 in every row
+SHARE_STATS = ('density', 'nearzero', 'chan_density')   # shares of a tensor's values: from 0 to 1 (NaN: undefined)
+MAGNITUDE_STATS = ('std', 'absmax', 'rms', 'chan_absmax', 'row_energy', 'hist')   # magnitudes and tallies: >= 0 (NaN: undefined)
+SIZE_COLS = ['M', 'K', 'N', 'numel']   # a tap's sizes: >= 0 in every row; M, K and N >= 1 in a matmul tap's rows
+MATMUL_ROLES = ('lhs', 'rhs', 'out')   # a matmul's taps: one K and one N per site of a run (one model)
+SPANS = {'lhs': ('M', 'K'), 'rhs': ('K', 'N'), 'out': ('M', 'N')}   # the sizes each matmul tap's tensor spans: one of them 0, it holds no element
+NAME_COLS = ['run_id', 'site', 'role', 'stat']   # names in a row's key: text without NUL bytes
 RESERVED_COLS = ('schema_version',)   # names a file may not use for a column of its own (the version is the manifest's `idx`)
 
 # %% ../nbs/00a_tables.ipynb #5e1f7a01
@@ -128,6 +144,21 @@ def dataset_files(path:Path)->list: # a dataset directory
         return (sorted(parts.items()), int(m.group(1)) if m else -1, int(rank) if rank.lstrip('-').isdigit() else rank, f.name)
     return sorted(files, key=key)
 
+def not_regular(path)->str|None: # a path (a link is followed)
+    "What `path` is when it is neither a regular file nor a folder — 'a FIFO', 'a device', 'a socket' — read from its inode without opening it (opening a FIFO blocks); None otherwise, or when nothing is there."
+    try: m = os.stat(path).st_mode
+    except (OSError, ValueError): return None
+    if stat.S_ISREG(m) or stat.S_ISDIR(m): return None
+    return 'a FIFO' if stat.S_ISFIFO(m) else 'a device' if stat.S_ISCHR(m) or stat.S_ISBLK(m) else 'a socket' if stat.S_ISSOCK(m) else 'not a regular file'
+
+def check_regular(path, # a file the caller is about to read
+                  what:str, # what it should be, for the message ('a sketches file')
+                 ):
+    "Refuse, in one line naming it, a `path` that is a FIFO, a device or a socket: opscope reads regular files (and dataset folders) only, so a FIFO never blocks it and `/dev/zero` never fills its memory."
+    kind = not_regular(path)
+    if kind: raise InputError(f"{path}: {kind}, not {what} (opscope reads only regular files and folders)")
+
+
 # %% ../nbs/00a_tables.ipynb #7ab1e002
 COMMIT_SUFFIX = '.commit'   # `OUT.csv.commit`: one line per step committed to `OUT.csv` while it is being written
 MAX_LINE = 1 << 16          # bytes in one line of a CSV or commit log (opscope writes lines under 1 KiB): longer is refused unparsed
@@ -139,6 +170,7 @@ def part_files(parts:Path)->list: # a `.parts` folder of an unfinished Parquet r
 
 def _read_parts(parts, path):
     import pyarrow as pa, pyarrow.parquet as pq
+    for f in part_files(parts): check_regular(f, 'a Parquet part file')
     tables = [_parquet_table(f, lambda f: pq.read_table(f)) for f in part_files(parts)]
     try: return pa.concat_tables(tables, promote_options='permissive').to_pandas(ignore_metadata=True)
     except Exception as e:
@@ -193,6 +225,9 @@ def _read_csv(path):
     if raw.count(b'\n', 0, MAX_LINE + 2) == 1 and raw.endswith(b'\n') and raw.find(b'\n') == len(raw) - 1:
         raise InputError(f"{path}: a header and no rows, so no sketches in it")
     _check_lines(raw, path)
+    head = next(csv.reader([raw[:raw.find(b'\n')].decode('utf-8', 'replace')]))
+    dup = next((c for i, c in enumerate(head) if c in head[:i]), None)
+    if dup is not None: raise InputError(f"{path}: line 1: column {dup!r} appears twice")
     import io
     try: return pd.read_csv(io.BytesIO(raw), dtype={c: str for c in STR_COLS}, keep_default_na=False, na_values=[''], index_col=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError) as e: raise InputError(f"{path}: malformed CSV: {_first_line(e)}") from None
@@ -268,7 +303,11 @@ def _check_int(raw, col, path, line0, c):
 def _check(df, path, line0):
     require_columns(df.columns, SCHEMA, str(path))
     check_columns(df.columns, path)
+    twice = df.columns[df.columns.duplicated()]
+    if len(twice): raise InputError(f"{path}: column {twice[0]!r} appears twice")
     for c in INT_COLS + ['value']:
+        if df[c].dtype.kind in 'mMb' or isinstance(df[c].dtype, pd.DatetimeTZDtype):
+            raise InputError(f"{path}: column {c!r} holds {df[c].dtype} values, not numbers (column {c!r} must hold {'numbers' if c == 'value' else 'integers'})")
         col = pd.to_numeric(df[c], errors='coerce')
         bad = col.isna()
         if c == 'value' and bad.any():   # NaN is a legitimate value (an undefined stat); other text is not a number
@@ -295,6 +334,7 @@ def _check(df, path, line0):
 def _read_dataset(path):
     import pyarrow as pa, pyarrow.dataset as ds, pyarrow.parquet as pq
     files = dataset_files(path)
+    for f in files: check_regular(f, 'a Parquet part file')
     if not files: raise InputError(f"{path}: a directory without Parquet part files, so no sketches in it (expected run_id=.../rank=.../part-*.parquet)")
     keys = [p.split('=', 1)[0] for p in files[0].relative_to(path).parts[:-1] if '=' in p]
     part = ds.partitioning(pa.schema([(k, PARTITION_TYPES.get(k, 'string')) for k in keys]), flavor='hive')
@@ -350,7 +390,8 @@ def _key_cols(df): return KEY_COLS + (['rank'] if 'rank' in df else [])
 def _smallest(rows, cols, extra=()):
     "The smallest key of `rows` (the order SQL's `ORDER BY` gives) as a tuple of Python values, then its `extra` columns."
     r = rows[cols + list(extra)].sort_values(cols, kind='stable').iloc[0]
-    return tuple(int(r[c]) if c in ('step', 'idx', 'rank') else str(r[c]) for c in cols) + tuple(float(r[c]) for c in extra)
+    num = lambda x: float('nan') if pd.isna(x) else int(x)        # a missing step (refused by `vet_steps`) stays comparable
+    return tuple(num(r[c]) if c in ('step', 'idx', 'rank') else str(r[c]) for c in cols) + tuple(float(r[c]) for c in extra)
 
 def first_duplicate(df:pd.DataFrame, steps=None)->tuple: # sketches, or a partition of whole steps
     "The smallest key (`KEY_COLS`, `rank` where present) that two data rows of `df` share, or None."
@@ -361,21 +402,61 @@ def first_duplicate(df:pd.DataFrame, steps=None)->tuple: # sketches, or a partit
     twice = s[1:][s[1:] == s[:-1]]
     return _smallest(df[data][np.isin(code, twice)], _key_cols(df)) if len(twice) else None
 
-def first_bad_count(df:pd.DataFrame)->tuple: # sketches, or a partition of whole steps
-    "The smallest key whose row is a count (`COUNT_STATS`) that is not a finite number >= 0, with that value; or None."
-    c = df[df.stat.isin(list(COUNT_STATS)).to_numpy(dtype=bool, na_value=False)]
-    v = c.value.to_numpy(np.float64)
-    bad = ~(np.isfinite(v) & (v >= 0))
+def _bad_mask(df:pd.DataFrame)->np.ndarray:
+    "Rows no recorder writes: a count that is not a finite number >= 0, a share outside [0, 1], a negative magnitude, a missing or negative step, a negative size (or a matmul tap's M, K or N under 1), a NUL byte in a name."
+    st, v = df.stat, df.value.to_numpy(np.float64)
+    isin = lambda names: st.isin(list(names)).to_numpy(dtype=bool, na_value=False)
+    with np.errstate(invalid='ignore'):
+        bad = isin(COUNT_STATS) & ~(np.isfinite(v) & (v >= 0)) | isin(SHARE_STATS) & ((v < 0) | (v > 1)) | isin(MAGNITUDE_STATS) & (v < 0)
+        step = pd.to_numeric(df.step, errors='coerce').to_numpy(np.float64)
+        bad |= ~(step >= 0)
+        sizes = [c for c in SIZE_COLS if c in df]
+        for c in sizes: bad |= pd.to_numeric(df[c], errors='coerce').to_numpy(np.float64) < 0
+        mm = df.role.isin(list(MATMUL_ROLES)).to_numpy(dtype=bool, na_value=False) & ~_manifest_mask(df)
+        if 'numel' in df:                                  # an empty batch has M = 0 and no lhs or out elements; M = 0 beside elements cannot be
+            held = pd.to_numeric(df.numel, errors='coerce').to_numpy(np.float64) > 0
+            for role, dims in SPANS.items():
+                r = mm & (df.role == role).to_numpy(dtype=bool, na_value=False) & held
+                for c in [c for c in dims if c in df]: bad |= r & (pd.to_numeric(df[c], errors='coerce').to_numpy(np.float64) < 1)
+    for c in [c for c in NAME_COLS if c in df and _may_hold_nul(df[c])]:
+        bad |= df[c].astype('str').str.contains('\0', regex=False).to_numpy(dtype=bool, na_value=False)
+    return bad
+
+def _may_hold_nul(s:pd.Series)->bool:
+    "Whether the text column `s` may hold a NUL byte: its Arrow data buffers scanned as bytes (no string made; a byte outside the column's slice only sends it to the exact check), a categorical's names once."
+    if isinstance(s.dtype, pd.CategoricalDtype): return bool(s.cat.categories.astype(str).str.contains('\0', regex=False).any())
+    arr = getattr(s.array, '_pa_array', None)
+    if arr is None: return True
+    chunks = arr.chunks if hasattr(arr, 'chunks') else [arr]
+    return any(len(c) and (len(c.buffers()) != 3 or c.buffers()[2] is not None and np.frombuffer(c.buffers()[2], np.uint8).min(initial=1) == 0)
+               for c in chunks)
+
+def first_bad_value(df:pd.DataFrame)->tuple: # sketches, or a partition of whole steps
+    "The smallest key of a row no recorder writes (`_bad_mask`: a statistic outside its domain, an impossible key or size), then its value, M, K, N and numel (NaN where absent); or None."
+    bad = _bad_mask(df)
     if not bad.any(): return None
-    return _smallest(c[bad], _key_cols(df), ['value'])
+    rows = df[bad]
+    extra = ['value'] + SIZE_COLS
+    return _smallest(rows.assign(**{c: np.nan for c in SIZE_COLS if c not in rows}), _key_cols(df), extra)
+
+def site_sizes(df:pd.DataFrame)->pd.DataFrame|None: # sketches, or any partition of them
+    "Per matmul tap (`run_id`, `site`, `role` in `MATMUL_ROLES`) and M, the least and most K and N its `numel` rows give (`K_lo`, `K_hi`, `N_lo`, `N_hi`); None without M, K and N columns. (A matmul of two activations may change K or N with the sequence length, but then M changes with them: at one M a tap has one K and one N.)"
+    if not {'M', 'K', 'N'} <= set(df.columns): return None
+    keys = ['run_id', 'site', 'role', 'M']
+    one = (df.stat == 'numel').to_numpy(dtype=bool, na_value=False)      # one row per tap and step: every row of it has the same M, K, N
+    m = df.loc[one & df.role.isin(list(MATMUL_ROLES)).to_numpy(dtype=bool, na_value=False), keys + ['K', 'N']]
+    _, first, g = np.unique(_key_codes(m, keys), return_index=True, return_inverse=True)    # integer codes: no group-by over text
+    t = pd.DataFrame({'g': g.reshape(-1), 'K': m.K.to_numpy(), 'N': m.N.to_numpy()}).groupby('g').agg(K_lo=('K', 'min'), K_hi=('K', 'max'), N_lo=('N', 'min'), N_hi=('N', 'max'))
+    return m[keys].iloc[first].reset_index(drop=True).assign(**{c: t[c].to_numpy() for c in t})
 
 def vet_rows(df:pd.DataFrame)->tuple: # sketches (`SCHEMA`), or a partition of whole steps of them
-    "What `vet_steps` judges in `df`: `(step_summary, first_duplicate, first_bad_count)`."
+    "What `vet_steps` judges in `df`: `(step_summary, first_duplicate, first_bad_value, site_sizes)`."
     steps = _steps_of(df)
-    return step_summary(df, steps), first_duplicate(df, steps), first_bad_count(df)
+    return step_summary(df, steps), first_duplicate(df, steps), first_bad_value(df), site_sizes(df)
+
 
 # %% ../nbs/00a_tables.ipynb #a1b2c304
-def _step_name(r): return f"step {int(r['step'])} of run {r['run_id']}" + (f" (rank {int(r['rank'])})" if 'rank' in r and not pd.isna(r['rank']) else '')
+def _step_name(r): return f"step {'(none)' if pd.isna(r['step']) else int(r['step'])} of run {r['run_id']}" + (f" (rank {int(r['rank'])})" if 'rank' in r and not pd.isna(r['rank']) else '')
 
 def _key_text(key, with_rank):
     cols = KEY_COLS + (['rank'] if with_rank else [])
@@ -392,13 +473,42 @@ def _check_versions(s, name):
     if len(odd): raise InputError(f"{name}: {_step_name(odd.iloc[0])} states schema version {int(odd.version.iloc[0])}, which no opscope writes "
                                   f"(versions before {SCHEMA_VERSION} have no manifest rows); this opscope reads versions 1 to {SCHEMA_VERSION}")
 
+def _bad_text(bad:tuple, with_rank:bool)->str:
+    "Why the row `first_bad_value` found is refused, in words: `bad` is its key, then value, M, K, N, numel."
+    n = len(KEY_COLS) + with_rank
+    key, (v, *sizes) = bad[:n], bad[n:]
+    run, step, site, role, name = key[:5]
+    at = f"the row at {_key_text(key, with_rank)}"
+    names = dict(zip(['run_id', 'step', 'site', 'role', 'stat'], key[:5]))
+    nul = next((c for c in NAME_COLS if '\0' in str(names[c])), None)
+    if nul: return f"{at}: a NUL byte in its {nul} name"
+    if not step >= 0: return f"{at}: {'no step index' if step != step else 'a negative step index'}"
+    for c, x in zip(SIZE_COLS, sizes):
+        if x < 0: return f"{at}: {c}={x:g}, a negative size"
+    for c, x in zip(SIZE_COLS[:3], sizes):
+        if c in SPANS.get(role, ()) and x < 1 and sizes[3] > 0:
+            return f"{at}: {c}={x:g} in a matmul tap ({role}) that holds {sizes[3]:,.0f} elements (an {role} spans {' × '.join(SPANS[role])}: a size of 0 holds none)"
+    if name in SHARE_STATS: return f"{name} at {_key_text(key, with_rank)} is {v:g}, outside 0 to 1 (a share of the tensor's values)"
+    if name in MAGNITUDE_STATS: return f"{name} at {_key_text(key, with_rank)} is {v:g}, negative (a magnitude is >= 0)"
+    return f"{name} at {_key_text(key, with_rank)} is {v:g}, not a count (a finite number >= 0)"
+
+def _mixed_sizes(t:pd.DataFrame)->str|None:
+    "The first matmul tap whose K *and* N both differ between rows of one run with one M (`site_sizes` of all parts), in words; or None. (A matmul of two activations changes one of them with the sequence length, a decode step's P·V its K, Q·Kᵀ its N, never both; a layer changes neither: both changed is another model's recording.)"
+    t = t.groupby(['run_id', 'site', 'role', 'M'], sort=True).agg(K_lo=('K_lo', 'min'), K_hi=('K_hi', 'max'), N_lo=('N_lo', 'min'), N_hi=('N_hi', 'max'))
+    bad = t[(t.K_lo != t.K_hi) & (t.N_lo != t.N_hi)]
+    if len(bad):
+        (run, site, role, M), r = bad.index[0], bad.iloc[0]
+        return (f"site {site!r} ({role}) of run {run!r} has K = {int(r.K_lo):,} and N = {int(r.N_lo):,} in some rows, K = {int(r.K_hi):,} and "
+                f"N = {int(r.N_hi):,} in others, at M = {int(M):,}: one run records one model (a part of another model's recording mixed in?)")
+
+
 # %% ../nbs/00a_tables.ipynb #a1b2c305
 STEPS_NAMED = 5   # incomplete steps a warning names one by one
 
 def vet_steps(parts:list, # `vet_rows` of every partition (each holding whole steps), or of the whole table
               name:str, # names the table in messages (a path, `DataFrame`)
              )->list:
-    "Judge a table from its partitions' `vet_rows`: raise one `InputError` line for a newer or unknown schema version, a step from two ranks, a duplicated key, a bad count, or a step with more rows (or manifests) than it announces; warn about the steps short of their manifest and return them, `(run_id, step[, rank])` tuples, for `drop_steps`."
+    "Judge a table from its partitions' `vet_rows`: raise one `InputError` line for a newer or unknown schema version, a step from two ranks, a duplicated key, a row no recorder writes (a statistic outside its domain, an impossible key or size: `first_bad_value`), a matmul tap whose K or N changes within a run, or a step with more rows (or manifests) than it announces; warn about the steps short of their manifest and return them, `(run_id, step[, rank])` tuples, for `drop_steps`."
     if not parts: return []
     s = pd.concat([p[0] for p in parts], ignore_index=True)
     if s.empty: return []
@@ -413,7 +523,10 @@ def vet_steps(parts:list, # `vet_rows` of every partition (each holding whole st
     if dup is not None: raise InputError(f"{name}: two rows have the key {_key_text(dup, 'rank' in g)} (a file joined with itself, or a step "
                                          "written twice); a key is one row")
     bad = min((p[2] for p in parts if p[2] is not None), default=None)
-    if bad is not None: raise InputError(f"{name}: {bad[4]} at {_key_text(bad[:-1], 'rank' in g)} is {bad[-1]:g}, not a count (a finite number >= 0)")
+    if bad is not None: raise InputError(f"{name}: {_bad_text(bad, 'rank' in g)}")
+    sizes = [p[3] for p in parts if len(p) > 3 and p[3] is not None]
+    mixed = _mixed_sizes(pd.concat(sizes, ignore_index=True)) if sizes else None
+    if mixed: raise InputError(f"{name}: {mixed}")
     has = s.manifests > 0
     if not has.any(): return []          # written before manifests (schema 1, 2): the steps cannot be counted
     for r in s[s.manifests > 1].head(1).to_dict('records'):
@@ -461,6 +574,7 @@ def _read_checked(path):
             warnings.warn(f"{path}: reading the parts of an interrupted run from {parts}")
             return _check(_read_parts(parts, path), path, 0)
         raise FileNotFoundError(f"{path}: no such file")
+    check_regular(path, 'a sketches file or dataset folder')
     if parts.is_dir() and path.is_file():   # the writer combined the parts into `path`, then was stopped before removing them
         warnings.warn(f"{path}: ignoring the left-over parts folder {parts} (its steps are all in {path.name})")
     if path.is_dir(): return _check(_read_dataset(path), path, 0)
@@ -504,6 +618,7 @@ def _text(path, what)->str:
     "The UTF-8 text of the small table file `path`, or one `InputError` naming it (and the line of a bad byte)."
     p = Path(path)
     if not p.exists(): raise FileNotFoundError(f"{path}: no such file")
+    check_regular(p, what + ' (.csv)')
     if not p.is_file(): raise InputError(f"{path}: a folder, not {what} (.csv)")
     if p.stat().st_size > MAX_TABLE_BYTES: raise InputError(f"{path}: {p.stat().st_size:,} bytes, more than {what} holds (at most {MAX_TABLE_BYTES:,})")
     raw = p.read_bytes()

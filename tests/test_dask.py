@@ -5,7 +5,7 @@ import pyarrow as pa, pyarrow.parquet as pq
 
 from opscope.zoo import mnist_mlp, mnist_batches, moe, planted_attention, example_input, transformer
 from opscope.recorder import record, sweep, Recorder
-from opscope.tables import read_sketches, COUNT_STATS
+from opscope.tables import read_sketches, COUNT_STATS, SHARE_STATS
 from conftest import engine_outcomes
 from opscope.miner import mine, INFER_EXPLOITS
 from opscope.scale import mine_duckdb, mine_dask, same_findings, ClusterError
@@ -63,16 +63,18 @@ def test_three_engines_same_findings_on_two_workers(sketches, cluster):
 
 def test_dask_agrees_on_steps_without_rows_and_outlier_evidence(cluster):
     "Issue #33: steps where an expert saw no rows, steps with too few rows, and the persistence path of channel-outliers, as pandas reads them."
-    from test_steps_outliers import _tap, _chan, _spread
+    from test_steps_outliers import _tap, _chan, _spread, _rows
     nan = np.nan
     df = pd.concat([_tap('expert3', [3.67, 2.44] + [nan] * 4, [[3.67, 1.2], [2.44, 0.9]] + [[nan, nan]] * 4),
                     _tap('expert1', [1.5, 1.5] + [nan] * 4, [[1.5, 0.7]] * 2 + [[nan, nan]] * 4),
                     _tap('weight', [0.5] * 6, [[0.5, 0.25]] * 6, role='rhs'),
                     _chan([[5] + _spread(t, 383) for t in range(3)], rows=8, site='top'),
-                    _chan([[20] + _spread(t, 383) for t in range(3)], rows=3, site='thin')], ignore_index=True)
+                    _chan([[20] + _spread(t, 383) for t in range(3)], rows=1, site='thin'),       # 3 rows in all: no evidence window
+                    _rows(_chan([[20] + _spread(t, 383) for t in range(3)], rows=16, site='decode'), [37, 1, 1]),   # prefill + 2 decode steps pooled
+                    _rows(_chan([[20] + _spread(t, 383) for t in range(6)], rows=16, site='odd'), [2, 1, 3, 1, 2, 1])], ignore_index=True)
     ref = mine(df)
     assert set(ref[ref.exploit == 'stationary'].site) == {'expert1', 'weight'}
-    assert set(ref[ref.exploit == 'channel-outliers'].site) == {'top'}
+    assert set(ref[ref.exploit == 'channel-outliers'].site) == {'top', 'decode', 'odd'}
     assert same_findings(ref, mine_dask(df, cluster)) and same_findings(ref, mine_duckdb(df))
 
 
@@ -96,7 +98,7 @@ def _three(src, cluster):
 
 def test_dask_vets_as_the_other_engines(sketches, cluster, tmp_path):
     "Issue #34: a part that lost rows (dropped, the same warning), a row twice, a newer schema, non-finite values: the three engines agree."
-    from opscope.tables import dataset_files, MANIFEST_STAT, COUNT_STATS
+    from opscope.tables import dataset_files, MANIFEST_STAT, COUNT_STATS, SHARE_STATS, MAGNITUDE_STATS
     df, ds = sketches
     cut, dup, new = (tmp_path / n for n in ('cut', 'dup', 'new'))
     for d in (cut, dup, new): shutil.copytree(ds, d)
@@ -105,9 +107,9 @@ def test_dask_vets_as_the_other_engines(sketches, cluster, tmp_path):
     part = dataset_files(new)[0]; t = pd.read_parquet(part); t.loc[t.stat == MANIFEST_STAT, 'idx'] += 1; t.to_parquet(part, index=False)
     one = df[df.run_id == 'mnist']
     rng = np.random.default_rng(3)
-    mixed = one.copy(); m = (rng.random(len(one)) < 0.2) & ~one.stat.isin(COUNT_STATS).to_numpy()
+    mixed = one.copy(); m = (rng.random(len(one)) < 0.2) & ~one.stat.isin(list(COUNT_STATS + SHARE_STATS + MAGNITUDE_STATS)).to_numpy()   # ±Inf only where a stat has no domain
     mixed.loc[m, 'value'] = rng.choice([np.inf, -np.inf, np.nan], m.sum())
-    for src, want in ((cut, 'ok'), (dup, 'two rows have the key'), (new, 'newer than version'), (one.assign(value=np.inf), 'not a count'),
+    for src, want in ((cut, 'ok'), (dup, 'two rows have the key'), (new, 'newer than version'), (one.assign(value=np.inf), 'outside 0 to 1'),
                       (one.assign(value=np.nan), 'not a count'), (mixed, 'ok')):
         (a, wa), (b, wb), (c, wc) = _three(src, cluster)
         assert a[0] == b[0] == c[0] and wa == wb == wc, (a, b, c, wa, wb, wc)
@@ -134,7 +136,7 @@ def _replicate(src, dst, times):
             t = pq.read_table(f)
             s = t['step'].to_numpy() + k * n
             t = t.set_column(t.schema.get_field_index('step'), 'step', pa.array(s, pa.int64()))
-            keep = np.isin(t['stat'].to_numpy(zero_copy_only=False), list(COUNT_STATS))   # counts and the step's manifest stay as they are
+            keep = np.isin(t['stat'].to_numpy(zero_copy_only=False), list(COUNT_STATS + SHARE_STATS))   # counts, shares (at most 1) and the step's manifest stay as they are
             t = t.set_column(t.schema.get_field_index('value'), 'value', pa.array(np.where(keep, t['value'].to_numpy(), t['value'].to_numpy() * (1 + 1e-3 * k))))
             out = dst / f.relative_to(src).parent / f'part-{int(s[0]):09d}.parquet'
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from test_signals import Child
 # opscope once (`test_signals.Child`: a run costs its work, not a torch import), with a recorder that pauses after each
 # committed step (a slow disk), so a short run is long enough to be killed mid-run.
 LONG = {   # CLI -> (function, arguments after OUT for a run far longer than the test waits)
-    'opscope-sweep': ('opscope_sweep', ['--steps', '100000', '--quiet']),
+    'opscope-sweep': ('opscope_sweep', ['--steps', '20', '--quiet']),      # 560 recorded steps: far past the kill, and a disk estimate (`SWEEP_STEP_BYTES`) any machine holds
     'opscope-seq': ('opscope_seq', ['2000']),
     'opscope-mnist': ('opscope_mnist', ['70']),
     'opscope-infer': ('opscope_infer', ['--model', 'moe', '--steps', '256']),

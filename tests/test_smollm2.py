@@ -70,3 +70,27 @@ def test_chat_prompts_wrap_each_question(smollm2):
     assert all(q in p and p.endswith('assistant\n') for q, p in zip(PROMPTS, ps))
     assert chat_prompts(tok) == ps == chat_prompts(tok, PROMPTS)        # deterministic; PROMPTS by default
     assert chat_prompts(tok, FRANCE) == ps[:1]                           # one string is one question
+
+
+@pytest.mark.slow   # loads the real decoder (the module fixture), records 3 steps
+def test_one_chat_prompt_names_the_q_proj_outlier_of_every_layer(smollm2):
+    "Batch 1, three new tokens (a prefill and two one-row decode steps): the top input channel of each layer's q_proj, measured by hooks in `generate`, is named a channel outlier (the decode steps pooled with the prefill's tokens as evidence)."
+    from opscope.runners import record_generate
+    from opscope.miner import mine
+    model, tok = smollm2
+    ids = tok(chat_prompts(tok, FRANCE), return_tensors='pt')['input_ids']
+    seen = {}
+    hooks = [l.self_attn.q_proj.register_forward_hook(lambda mod, i, o, k=k: seen.setdefault(k, []).append(i[0].detach().abs().amax(dim=(0, 1))))
+             for k, l in enumerate(model.model.layers)]
+    with torch.no_grad(): model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    for h in hooks: h.remove()
+    _, df = record_generate(model, ids, 3)
+    f = mine(df)
+    o = f[(f.exploit == 'channel-outliers') & (f.role == 'lhs')]
+    named = []
+    for k, xs in seen.items():
+        a = torch.stack(xs).amax(0)
+        top = int(a.argmax())
+        assert a[top] / a.median() >= 4          # a real outlier, by the tensors
+        named.append(top in set(o[o.site == f'model.layers.{k}.self_attn.q_proj'].idx))
+    assert len(named) == 30 and sum(named) >= 29, sum(named)

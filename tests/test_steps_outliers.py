@@ -106,15 +106,39 @@ def test_persistence_path_and_its_chance_bound():
     assert rule_outlier_channels(_chan([[OUTLIER_RATIO + 1] * 2 + _spread(0, 30)] * 3)).idx.tolist() == [0, 1]   # magnitude: a weight
 
 
-def test_evidence_steps_need_rows_and_number():
-    big = [[OUTLIER_RATIO * 2] + _spread(t, 383) for t in range(3)]
-    assert rule_outlier_channels(_chan(big[:OUTLIER_MIN_STEPS - 1])).empty                     # one step: no claim
-    assert rule_outlier_channels(_chan(big, rows=OUTLIER_MIN_ROWS - 1)).empty                 # too few rows every step
-    got = rule_outlier_channels(_chan(big, rows=OUTLIER_MIN_ROWS))
+def _rows(df, per_step):
+    "`df` (from `_chan(..., rows=16)`) with `per_step[t]` valued row_energy rows on step t."
+    n = dict(enumerate(per_step))
+    keep = (df.stat != 'row_energy') | (df.idx < df.step.map(n))
+    return df.assign(value=df.value.where(keep))
+
+
+def test_evidence_windows_need_rows_and_number():
+    "Evidence is a window of at least OUTLIER_MIN_ROWS rows: a step, or consecutive smaller steps pooled (a batch-1 decode: one row a step); the closing rest counts only after a full window (the prefill); one window is no persistence."
+    big = [[OUTLIER_RATIO * 2] + _spread(t, 383) for t in range(12)]
+    claim = lambda per_step: rule_outlier_channels(_rows(_chan(big[:len(per_step)], rows=16), per_step))
+    assert claim([16]).empty                                                     # one step: no claim
+    assert claim([1] * (OUTLIER_MIN_ROWS - 1)).empty                             # three one-row steps: not one window
+    assert claim([1] * OUTLIER_MIN_ROWS).empty                                   # one window: no persistence
+    got = claim([1] * 2 * OUTLIER_MIN_ROWS)                                      # two windows of four decode steps
+    assert got.idx.tolist() == [0] and 'on 2 windows of consecutive steps (8 steps pooled)' in got.detail.item()
+    got = claim([37, 1, 1])                                                      # a chat prompt's prefill, then two decode steps
+    assert got.idx.tolist() == [0] and 'on 2 windows of consecutive steps (3 steps pooled)' in got.detail.item()
+    got = claim([OUTLIER_MIN_ROWS - 1] * 3)                                     # 3 + 3 rows, then the closing 3
+    assert got.idx.tolist() == [0] and 'on 2 windows of consecutive steps (3 steps pooled)' in got.detail.item()
+    got = claim([OUTLIER_MIN_ROWS] * 3)
     assert got.idx.tolist() == [0] and 'on 3 steps →' in got.detail.item()
-    mixed = _chan(big, rows=OUTLIER_MIN_ROWS)
-    mixed = mixed[~((mixed.step == 0) & (mixed.stat == 'row_energy') & (mixed.idx == 0))]     # step 0: one row fewer
-    assert 'on 2 steps (and 1 with fewer than' in rule_outlier_channels(mixed).detail.item()
+    assert 'on 2 steps (and 1 with fewer than' in claim([0, OUTLIER_MIN_ROWS, OUTLIER_MIN_ROWS]).detail.item()   # a step without rows: not read
+    assert claim([0, 1, 1]).empty                                                # no full window: the rest is not evidence
+
+
+def test_engines_pool_windows_alike():
+    "The pandas and DuckDB engines pool the same windows (the Dask engine: tests/test_dask.py)."
+    big = [[OUTLIER_RATIO * 2] + _spread(t, 383) for t in range(6)]
+    for per_step in ([37, 1, 1], [1] * 6, [3, 3, 3], [0, 4, 4], [2, 1, 3, 1, 2, 1]):
+        df = _rows(_chan(big[:len(per_step)], rows=16), per_step)
+        f = mine(df)
+        assert same_findings(f, mine_duckdb(df)), per_step
 
 
 def _planted(base, scale, n, seed, steps=4, M=64, K=256):
