@@ -4,15 +4,16 @@
 
 # %% ../nbs/02d_kernels.ipynb #0c897c4e
 from __future__ import annotations
-import logging, math, warnings
+import logging, math, os, warnings
 import torch
 import torch.nn.functional as F
 from .exploits import Kernel
 
 # %% auto #0
-__all__ = ['ABS_COPY_MAX', 'SMALL_READ', 'FUSE_INT8', 'FP16_MAX', 'INT4_GROUP', 'kernel_dead', 'kernel_sparse', 'Verdict',
-           'kernel_int8', 'fused_int8', 'kernel_bf16', 'kernel_fp16', 'kernel_int8_weight', 'int4_grid',
-           'kernel_int4_weight', 'kernel_lowrank', 'kernel_prepack']
+__all__ = ['ABS_COPY_MAX', 'SMALL_READ', 'FUSE_INT8', 'FP16_MAX', 'INT4_GROUP', 'ISA_CAPS', 'FLAGS', 'kernel_dead',
+           'kernel_sparse', 'Verdict', 'int_mm_exact', 'kernel_int8', 'fused_int8', 'kernel_bf16', 'kernel_fp16',
+           'kernel_int8_weight', 'kernel_int8_fbgemm', 'kernel_fp16_weight', 'int4_grid', 'kernel_int4_weight',
+           'kernel_lowrank', 'kernel_prepack', 'capped_env', 'machine', 'format_machine']
 
 # %% ../nbs/02d_kernels.ipynb #7bbbeadb
 def kernel_dead(w, b, keep):
@@ -63,6 +64,27 @@ class Verdict:
         return self.g.ge(self.lo) & self.g.le(self.hi)
     def __repr__(self): return f"Verdict({len(self.g)} rows in [{self.lo:.4g}, {self.hi:.4g}])"
 
+# %% ../nbs/02d_kernels.ipynb #exact002
+_EXACT = {}   # device type -> whether torch._int_mm is exact there
+
+def int_mm_exact(device:str='cpu')->bool:
+    "Whether `torch._int_mm` multiplies int8 matrices exactly on `device` (one 40 × 64 × 48 product of full-range values against int64 arithmetic, once per process)."
+    if device not in _EXACT:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randint(-127, 128, (40, 64), dtype=torch.int8, generator=g), torch.randint(-127, 128, (64, 48), dtype=torch.int8, generator=g)
+        try: _EXACT[device] = torch.equal(torch._int_mm(a.to(device), b.to(device)).cpu().long(), a.long() @ b.long())
+        except RuntimeError: _EXACT[device] = False
+    return _EXACT[device]
+
+def _mm_f32(a, b):
+    "int8 × int8 products summed in float32: exact to float32 rounding, where `torch._int_mm` is not."
+    return a.float() @ b.float()
+
+def _int8_mm(device:str='cpu'):
+    "The int8 GEMM `kernel_int8` runs on `device`: `torch._int_mm`, or `_mm_f32` where that is inexact."
+    return torch._int_mm if int_mm_exact(device) else _mm_f32
+
+
 # %% ../nbs/02d_kernels.ipynb #2d4dc280
 def _int8_weights(w, outliers=None):
     "(int8 wᵀ, one scale per output channel, the outlier channel indices, their float32 wᵀ or None) of `w`: the weight-side work of `kernel_int8`, done once."
@@ -73,14 +95,14 @@ def _int8_weights(w, outliers=None):
     wq = (wi / sw[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
     return wq, sw, out, (w.index_select(1, out).t().contiguous() if len(out) else None)   # the outlier channels' float weight
 
-def _int8_graph(split:bool, bias:bool, guard:bool, absmax=_row_absmax):
-    "`kernel_int8`'s per-call arithmetic as one function of its tensors, (x, wq, sw[, b][, out, wo]) -> (y[, ‖x/s‖ per row]): run as eager ops, or traced for `fused_int8` (with an `absmax` that has no size test)."
+def _int8_graph(split:bool, bias:bool, guard:bool, absmax=_row_absmax, mm=torch._int_mm):
+    "`kernel_int8`'s per-call arithmetic as one function of its tensors, (x, wq, sw[, b][, out, wo]) -> (y[, ‖x/s‖ per row]): run as eager ops, or traced for `fused_int8` (with an `absmax` that has no size test); `mm` is the int8 GEMM (`_int8_mm`)."
     def f(x, wq, sw, *rest):
         xi = x.index_fill(1, rest[-2], 0) if split else x
         s = (absmax(xi) / 127).clamp_min_(1e-30)
         xs = xi / s                                      # every row's absmax at 127: ‖row‖ = 127·√K / crest
         g = torch.linalg.vector_norm(xs, 2, 1) if guard else None
-        y = torch._int_mm(xs.round_().to(torch.int8), wq).float().mul_(s).mul_(sw)   # |x/s| ≤ 127 by construction: no clamp
+        y = mm(xs.round_().to(torch.int8), wq).float().mul_(s).mul_(sw)   # |x/s| ≤ 127 by construction: no clamp
         if split: y.addmm_(x.index_select(1, rest[-2]), rest[-1])
         if bias: y.add_(rest[0])
         return (y, g) if guard else (y,)
@@ -92,7 +114,7 @@ def kernel_int8(w, b, outliers=None):
     b = b.detach() if b is not None else None
     c127, split, bias = 127 * math.sqrt(w.shape[1]), wo is not None, b is not None
     args = (wq, sw) + ((b,) if bias else ()) + ((out, wo) if split else ())   # the graph's inputs after x
-    eager = {guard: _int8_graph(split, bias, guard) for guard in (False, True)}
+    eager = {guard: _int8_graph(split, bias, guard, mm=_int8_mm(w.device.type)) for guard in (False, True)}
     fusable = w.device.type == 'cpu' and w.dtype == torch.float32
     def rows(x, limit=None):
         guard, f = limit is not None, None
@@ -125,7 +147,7 @@ def _compile_int8(split:bool, bias:bool, guard:bool):
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch._guards import tracing, TracingContext
     from torch._inductor import compile as inductor_compile
-    f, eager = _int8_graph(split, bias, guard, _absmax_traced), _int8_graph(split, bias, guard)
+    f, eager = _int8_graph(split, bias, guard, _absmax_traced, _int8_mm()), _int8_graph(split, bias, guard, mm=_int8_mm())
     fm = FakeTensorMode(shape_env=ShapeEnv())
     sym = lambda t: fm.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim()))
     ex = [sym(t) for t in _int8_inputs(5, 48, 40, split, bias)]      # distinct sizes: equal sample sizes would be traced as one symbol
@@ -189,6 +211,50 @@ def kernel_int8_weight(w, b, arg=None):
         return y.add_(b) if b is not None else y
     return Kernel(fn, wq.numel() + sb.numel() * sb.element_size(), False)
 
+# %% ../nbs/02d_kernels.ipynb #fb16a002
+def _need_fbgemm(w, what:str):
+    "Raise `NotImplementedError` (the A/B then says 'unsupported here') unless fbgemm runs on `w`'s device."
+    engines = torch.backends.quantized.supported_engines
+    if w.device.type != 'cpu' or 'fbgemm' not in engines:
+        raise NotImplementedError(f"{what}: needs fbgemm (torch's x86 CPU quantized engine); here {w.device.type}, engines {', '.join(engines)}")
+
+def _qint8_channels(w, scale):
+    "`w` as a per-output-channel qint8 tensor (all fbgemm's int8 prepack takes), created without torch's warning that quantized tensor creation is deprecated: it lives only until the prepack has copied it."
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='torch.quantize_per_tensor, torch.quantize_per_channel')
+        return torch.quantize_per_channel(w, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+
+def kernel_int8_fbgemm(w, b, outliers=None):
+    "int8 GEMM through fbgemm (`torch.ops.quantized.linear_dynamic`, prepacked per-channel int8 weight) with a dynamic scale per lhs row: each row divided by its absmax, so fbgemm's one scale per call is one per row, the output rows multiplied back, the bias added after. The `outliers` lhs channels stay float32. `rows(x, limit)` also returns `kernel_int8`'s guard: finite, not all zero, crest at most `limit`."
+    _need_fbgemm(w, 'int8-fbgemm kernel')
+    w = w.detach()
+    out = torch.as_tensor(sorted(outliers if outliers is not None else []), dtype=torch.long)
+    split = len(out) > 0
+    wi = w.index_fill(1, out, 0) if split else w
+    sw = (wi.abs().amax(1) / 127).clamp_min(1e-30)                     # one scale per output channel
+    pk = torch.ops.quantized.linear_prepack(_qint8_channels(wi, sw), None)
+    wo = w.index_select(1, out).t().contiguous() if split else None   # the outlier channels' float weight
+    b, rootK = (b.detach() if b is not None else None), math.sqrt(w.shape[1])
+    def rows(x, limit=None):
+        xi = x.index_fill(1, out, 0) if split else x
+        s = _row_absmax(xi).clamp_min_(1e-30)
+        xs = xi / s                                                   # rows in [-1, 1], or NaN where a row holds NaN or Inf
+        v = Verdict(torch.linalg.vector_norm(xs, 2, 1), rootK / limit) if limit is not None else None
+        y = torch.ops.quantized.linear_dynamic(xs.nan_to_num_(0., 0., 0.), pk, True).mul_(s)   # a NaN would spoil fbgemm's range of the whole call; the row comes out NaN from its scale
+        if split: y.addmm_(x.index_select(1, out), wo)
+        if b is not None: y.add_(b)
+        return y, v
+    return Kernel(lambda x: rows(x)[0], wi.numel() + sw.numel() * 4 + (wo.numel() * 4 if split else 0), False, rows)
+
+def kernel_fp16_weight(w, b, arg=None):
+    "float16 weights through fbgemm (`torch.ops.quantized.linear_dynamic_fp16`): the lhs stays float32 and each weight tile is widened in the GEMM, so no activation guard is needed. A weight beyond float16's range raises (fbgemm would saturate it)."
+    _need_fbgemm(w, 'fp16-weight kernel')
+    w = w.detach()
+    if float(w.abs().amax()) > FP16_MAX: raise NotImplementedError(f'fp16-weight kernel: a weight beyond float16 range ({float(w.abs().amax()):.3g})')
+    pk = torch.ops.quantized.linear_prepack_fp16(w, b.detach() if b is not None else None)
+    return Kernel(lambda x: torch.ops.quantized.linear_dynamic_fp16(x, pk), w.numel() * 2, False)
+
+
 # %% ../nbs/02d_kernels.ipynb #567dea72
 INT4_GROUP = 32   # input channels per int4 scale and zero (GGUF's 4-bit blocks are 32 wide)
 
@@ -237,3 +303,38 @@ def kernel_prepack(w, b, rows=None):
         return Kernel(lambda x: torch.ops.mkl._mkl_linear(x, wp, w, b, rows), wp.numel() * wp.element_size(), True)
     wt = w.t().contiguous()
     return Kernel(lambda x: torch.addmm(b, x, wt) if b is not None else x @ wt, wt.numel() * wt.element_size(), True)
+
+# %% ../nbs/02d_kernels.ipynb #mach0002
+ISA_CAPS = {'avx2': dict(ATEN_CPU_CAPABILITY='avx2', ONEDNN_MAX_CPU_ISA='AVX2', DNNL_MAX_CPU_ISA='AVX2',
+                         MKL_ENABLE_INSTRUCTIONS='AVX2', FBGEMM_ENABLE_INSTRUCTIONS='AVX2')}   # env that caps every library of torch to an ISA, per process
+FLAGS = ('avx2', 'avx512_f', 'avx512_bf16', 'avx512_vnni', 'avx_vnni', 'amx_tile', 'amx_int8', 'amx_bf16')   # the hardware flags `machine` reports
+
+def capped_env(isa:str='avx2', env:dict=None)->dict:
+    "A copy of `env` (default `os.environ`) with `ISA_CAPS[isa]` set: a process started with it runs torch as on a CPU of that class (each library reads its variable once, at load)."
+    if isa not in ISA_CAPS: raise ValueError(f"isa: {isa!r}; one of {', '.join(ISA_CAPS)}")
+    return {**(os.environ if env is None else env), **ISA_CAPS[isa]}
+
+def _hardware()->dict:
+    "The CPU's name and flags as torch's cpuinfo reads them ({} where this torch cannot say)."
+    try: return dict(torch.cpu.get_capabilities())
+    except Exception: return {}
+
+def machine()->dict:
+    "What this process's CPU and torch offer the kernels: the ISA ATen dispatches to, the ISA caps in force, the hardware's flags (`FLAGS`), native bf16 in oneDNN (follows a cap), the quantized engines and oneDNN / MKL / CUDA, and whether `torch._int_mm` is exact (`int_mm_exact`)."
+    hw = _hardware()
+    caps = {k: os.environ[k] for c in ISA_CAPS.values() for k in c if k in os.environ}
+    return dict(cpu=hw.get('cpu_name', ''), isa=torch.backends.cpu.get_cpu_capability(), caps=caps,
+                flags=[f for f in FLAGS if hw.get(f)], bf16_native=bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                fbgemm='fbgemm' in torch.backends.quantized.supported_engines, quantized_engine=torch.backends.quantized.engine,
+                onednn=torch.backends.mkldnn.is_available(), mkl=torch.backends.mkl.is_available(),
+                int_mm_exact=int_mm_exact(), cuda=torch.cuda.is_available(), threads=torch.get_num_threads(), torch=torch.__version__)
+
+def format_machine(m:dict=None)->str:
+    "`machine()` in one line."
+    m = machine() if m is None else m
+    libs = [n for n in ('fbgemm', 'onednn', 'mkl', 'cuda') if m[n]]
+    cap = f" (capped: {', '.join(f'{k}={v}' for k, v in m['caps'].items())})" if m['caps'] else ''
+    return (f"{m['cpu'] or 'CPU'}: ATen {m['isa']}{cap}; flags {' '.join(m['flags']) or 'none known'}; bf16 {'native' if m['bf16_native'] else 'emulated'}; "
+            f"{'' if m['int_mm_exact'] else 'torch._int_mm inexact; '}"
+            f"{', '.join(libs) or 'no fbgemm/oneDNN/MKL'}; {m['threads']} thread(s); torch {m['torch']}")
+

@@ -13,20 +13,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .exploits import lhs_rows
-from .kernels import _row_absmax, int4_grid, INT4_GROUP, Verdict, SMALL_READ
+from .kernels import _row_absmax, int4_grid, INT4_GROUP, Verdict, SMALL_READ, machine, format_machine, int_mm_exact
 from .tables import InputError
 from .recorder import record, _call_args
 from .miner import mine, INT8_MAX_CREST
 from .plan import ab_bench, make_kernel, parse_guard, live_values, guard_holds, synthesize_guard
 from .probe import rank_at_energy
-from .runners import _is_decoder
+from .measure import ENCODER_MIN_COS, E2E_ROUNDS, is_decoder, embedding, greedy, Reference, end_to_end, _run, _half, _round_times, _median_times, _whole
 
 # %% auto #0
 __all__ = ['DECODE_ROWS', 'MIN_GAIN', 'ROW_CREST_MARGIN', 'GUARD_READ_EVERY', 'LOWRANK_MAX_ELEMS', 'INT4_MAX_FIT_ERR', 'TRIED',
            'UNGUARDED', 'REPORT_COLUMNS', 'AB_ROUNDS', 'SKIP_SLOWER', 'PASS_SKIP_SLOWER', 'EXTRA_BLOCK_S',
-           'PASS_ROUNDS', 'ENCODER_MIN_COS', 'E2E_ROUNDS', 'regime', 'Choice', 'SpecializedLinear', 'linear_sites',
-           'left_out', 'capture_lhs', 'candidates', 'measure_site', 'pick', 'decode_pass', 'is_decoder', 'embedding',
-           'greedy', 'Reference', 'end_to_end', 'Specialized', 'format_report', 'specialize_model']
+           'PASS_ROUNDS', 'CUT_ROUNDS', 'regime', 'Choice', 'SpecializedLinear', 'linear_sites', 'left_out',
+           'capture_lhs', 'candidates', 'measure_site', 'pick', 'decode_pass', 'Specialized', 'format_report',
+           'specialize_model']
 
 # %% ../nbs/07a_specialize.ipynb #248e0f95
 DECODE_ROWS = 16      # a call with at most this many rows (tokens × batch) is in the `decode` regime, else `prefill`
@@ -35,7 +35,7 @@ ROW_CREST_MARGIN = 1.25   # the int8 guard admits rows up to this × the largest
 GUARD_READ_EVERY = 64     # deferred guards (accelerators): the kept verdicts are read every this many guarded calls
 LOWRANK_MAX_ELEMS = 1 << 22   # low-rank is priced only for weights up to this size (an SVD each)
 INT4_MAX_FIT_ERR = 1e-3   # int4-weight is measured where the weight's 4-bit grid fit (`exploits.int4_grid`) is this close: weights dequantized from a 4-bit format
-TRIED = ('bf16', 'fp16', 'int8', 'int8-weight', 'prepack')   # measured at every linear site; the rest need evidence
+TRIED = ('bf16', 'fp16', 'int8', 'int8-fbgemm', 'fp16-weight', 'int8-weight', 'prepack')   # measured at every linear site; the rest need evidence
 
 def regime(rows:int)->str:
     "The M regime of a call with `rows` rows: `decode` (≤ `DECODE_ROWS`) or `prefill`."
@@ -130,21 +130,7 @@ def left_out(model:nn.Module)->str:
     return ('specialize_model replaces nn.Linear layers only; left as they are: ' + ', '.join(f'{v} {k}' for k, v in n.items())) if n else ''
 
 # %% ../nbs/07a_specialize.ipynb #2f5b3ea0
-def _half(model):
-    "The model's parameter dtype when it is a half-precision one (its float inputs are cast to it), else None."
-    dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return dt if dt in (torch.bfloat16, torch.float16) else None
-
 def _first_line(e): return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-def _run(model, batch, **extra):
-    "`model` called on one batch as `record` takes it (a whole-model bf16 reference gets its float inputs in bf16)."
-    args, kwargs = _call_args(batch)
-    dt = _half(model)
-    if dt is not None:
-        cast = lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        args, kwargs = [cast(a) for a in args], {k: cast(v) for k, v in kwargs.items()}
-    return model(*args, **{**kwargs, **extra})
 
 def capture_lhs(model:nn.Module, batch, # one batch, as `record` takes it
                 sites:dict, # `linear_sites(model)`
@@ -180,6 +166,8 @@ def candidates(site:str, lin:nn.Linear, findings:pd.DataFrame, # `mine` of the c
     rows = [('bf16', None, '', (), 'bfloat16 GEMM, float32 accumulation'),
             ('fp16', None, '', (), 'float16 GEMM, rows guarded to float16 range'),
             ('int8', out, '', out, f"per-row int8 × per-channel int8 weight{f', {len(out)} outlier channel(s) kept float32' if out else ''}"),
+            ('int8-fbgemm', out, '', out, f"fbgemm int8, rows scaled by their absmax{f', {len(out)} outlier channel(s) kept float32' if out else ''}"),
+            ('fp16-weight', None, '', (), 'fbgemm float16 weight, float32 lhs'),
             ('int8-weight', None, '', (), 'weight-only int8, bfloat16 lhs'),
             ('prepack', None, '', (), 'wᵀ stored contiguous once')]
     dead = _found(findings, site, 'dead-channels')
@@ -208,15 +196,15 @@ def _choice(exploit, lin, arg, guard, channels, xs):
     w, b = lin.weight.detach(), (lin.bias.detach() if lin.bias is not None else None)
     k = make_kernel(exploit, w, b, arg)
     limit = k.limit
-    if exploit == 'int8':
+    if exploit in ('int8', 'int8-fbgemm'):
         seen = float(torch.cat([_row_crest(x, channels) for x in xs]).nan_to_num(0).amax())
         limit = min(seen * ROW_CREST_MARGIN, INT8_MAX_CREST)
-    text = guard or (f'row crest <= {limit:.1f} and finite' if exploit == 'int8' else
+    text = guard or (f'row crest <= {limit:.1f} and finite' if exploit in ('int8', 'int8-fbgemm') else
                      f'row absmax <= {limit:.3g}' if limit is not None else UNGUARDED.get(exploit, 'none'))
     return Choice(exploit, k, limit, guard, channels), text
 
 UNGUARDED = {'bf16': "none needed: float32's range, NaN/Inf pass through", 'int8-weight': "none needed: its bfloat16 lhs keeps float32's range",
-             'int4-weight': "none needed: its bfloat16 lhs keeps float32's range",
+             'int4-weight': "none needed: its bfloat16 lhs keeps float32's range", 'fp16-weight': 'none needed: the lhs stays float32',
              'prepack': 'none needed: exact', 'low-rank': 'none: weight-only, judged end to end'}
 
 REPORT_COLUMNS = ['site', 'exploit', 'applied', 'reason', 'regimes', 'speedup_prefill', 'speedup_decode', 'dense_ms_prefill',
@@ -285,6 +273,8 @@ def measure_site(site:str, lin:nn.Linear, xs:dict, # regime -> the site's live l
         try:
             regs = [r for r in xs if r == 'decode' or exploit != 'int8-weight']
             if not regs: raise _NotHere(f'weight-only int8 is for decode-shaped calls (at most {DECODE_ROWS} rows); none here')
+            if exploit == 'int8' and not int_mm_exact(w.device.type):
+                raise _NotHere('torch._int_mm is inexact on this CPU (its int8 products saturate 16-bit sums); int8-fbgemm is measured instead')
             for r in regs:
                 x = xs[r]
                 shared = next(iter(choices.values()), None) if exploit != 'prepack' else None   # prepack packs for its regime's M
@@ -354,103 +344,6 @@ def decode_pass(measured:dict, # site -> `measure_site(..., timed=('prefill',))`
                 row.update(dense_ms_decode=dense[s], special_ms_decode=sp, speedup_decode=dense[s] / sp)
     return dense
 
-# %% ../nbs/07a_specialize.ipynb #83dd7aed
-ENCODER_MIN_COS = 0.995   # default tolerance of an encoder: the smallest cosine of a pooled embedding to the original's
-E2E_ROUNDS = 5            # interleaved end-to-end rounds (original, specialized, reference), medians
-
-def is_decoder(model:nn.Module)->bool:
-    "Whether `model` is a causal LM with a `generate` (its accuracy is greedy answers, its speed tokens/s)."
-    cfg = getattr(model, 'config', None)
-    return hasattr(model, 'generate') and (type(model).__name__.endswith(('ForCausalLM', 'LMHeadModel')) or (cfg is not None and _is_decoder(cfg)))
-
-def _first_tensor(out):
-    if isinstance(out, torch.Tensor): return out
-    if hasattr(out, 'last_hidden_state') and out.last_hidden_state is not None: return out.last_hidden_state
-    if isinstance(out, dict): out = list(out.values())
-    return next(_first_tensor(o) for o in out if isinstance(o, (torch.Tensor, tuple, list, dict)))
-
-def embedding(model:nn.Module, batch)->torch.Tensor:
-    "One vector per example: the primary output, mean-pooled over the real tokens when the batch has an `attention_mask`."
-    h = _first_tensor(_run(model, batch)).float()
-    m = batch.get('attention_mask') if isinstance(batch, dict) else None
-    if m is not None and h.dim() == 3:
-        m = m[..., None].to(h.dtype)
-        return (h * m).sum(1) / m.sum(1).clamp_min(1)
-    return h.reshape(h.shape[0], -1)
-
-def greedy(model:nn.Module, batch:dict, n:int, exact_length:bool=False)->torch.Tensor:
-    "The `n` new tokens of a greedy `generate` (with `exact_length`, end-of-text is suppressed: the same work for every model)."
-    pad = model.generation_config.pad_token_id
-    if pad is None: pad = model.generation_config.eos_token_id
-    if isinstance(pad, (list, tuple)): pad = pad[0]
-    kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=pad, **({'min_new_tokens': n} if exact_length else {}))
-    return model.generate(**batch, **kw)[:, batch['input_ids'].shape[1]:]
-
-# %% ../nbs/07a_specialize.ipynb #18ca0251
-class Reference:
-    "The original model's answers on `holdout`, computed once: pooled embeddings (encoder), or greedy tokens and logits (decoder)."
-    def __init__(self, model, holdout, decoder, n):
-        self.holdout, self.decoder, self.n = holdout, decoder, n
-        with torch.no_grad():
-            if decoder:
-                self.tokens = [greedy(model, b, n) for b in holdout]
-                self.logits = [self._logits(model, b) for b in holdout]
-            else: self.emb = [embedding(model, b) for b in holdout]
-    @staticmethod
-    def _logits(model, b):
-        lg = _run(model, b, use_cache=False).logits.float()
-        return lg[b['attention_mask'].bool()] if 'attention_mask' in b else lg.reshape(-1, lg.shape[-1])
-    def error(self, model)->dict:
-        "What a user of this model checks, against the original: min / mean embedding cosine, or greedy answers equal, first divergence and logit error."
-        with torch.no_grad():
-            if not self.decoder:
-                cos = torch.cat([F.cosine_similarity(embedding(model, b), e, dim=-1) for b, e in zip(self.holdout, self.emb)])
-                return dict(min_cosine=float(cos.min()), mean_cosine=float(cos.mean()))
-            eq, first, num, den = 0, [], 0., 0.
-            for b, t, lg in zip(self.holdout, self.tokens, self.logits):
-                got = greedy(model, b, self.n)
-                for g, r in zip(got, t):
-                    m = min(len(g), len(r))
-                    diff = (g[:m] != r[:m]).nonzero()
-                    d = int(diff[0]) if len(diff) else (None if len(g) == len(r) else m)
-                    eq += d is None; first.append(d)
-                l2 = self._logits(model, b)
-                num += float((l2 - lg).pow(2).sum()); den += float(lg.pow(2).sum())
-            return dict(greedy_equal=eq, prompts=len(first), first_divergence=first, logit_rel_err=math.sqrt(num / max(den, 1e-30)))
-    def passes(self, err:dict, tol:float)->bool:
-        return err['min_cosine'] >= tol if not self.decoder else err['greedy_equal'] >= math.ceil(tol * err['prompts'] - 1e-9)
-
-# %% ../nbs/07a_specialize.ipynb #3d8ba8d4
-def _median_times(fns:dict, rounds:int)->dict:
-    "Seconds per call of each function: one warm-up each, then `rounds` interleaved rounds, medians."
-    for f in fns.values(): f()
-    ts = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t = time.perf_counter(); f(); ts[k].append(time.perf_counter() - t)
-    return {k: float(np.median(v)) for k, v in ts.items()}
-
-def end_to_end(models:dict, # name -> model; the first is the baseline
-               holdout:list, decoder:bool, n:int=24, rounds:int=E2E_ROUNDS)->pd.DataFrame:
-    "Each model's time over `holdout`, interleaved in one process: forward ms (encoder), or prefill and decode tokens/s of `generate` (decoder)."
-    with torch.no_grad():
-        if not decoder:
-            t = _median_times({k: (lambda m=m: [_run(m, b) for b in holdout]) for k, m in models.items()}, rounds)
-            df = pd.DataFrame(dict(model=list(t), ms=[1e3 * v for v in t.values()]))
-        else:
-            gen = _median_times({k: (lambda m=m: [greedy(m, b, n, exact_length=True) for b in holdout]) for k, m in models.items()}, rounds)
-            # prefill as `generate` runs it: a one-token generate (a plain forward would also run the lm_head over every
-            # prompt position, which generate skips, and so overstate the prefill and understate the decode time)
-            pre = _median_times({k: (lambda m=m: [greedy(m, b, 1, exact_length=True) for b in holdout]) for k, m in models.items()}, rounds)
-            prompt = sum(int(b['attention_mask'].sum()) if 'attention_mask' in b else b['input_ids'].numel() for b in holdout)
-            new = sum(b['input_ids'].shape[0] * n for b in holdout)
-            df = pd.DataFrame(dict(model=list(gen), ms=[1e3 * v for v in gen.values()],
-                                   prefill_tok_s=[prompt / pre[k] for k in gen],
-                                   decode_tok_s=[(new - sum(b['input_ids'].shape[0] for b in holdout)) / max(gen[k] - pre[k], 1e-9) for k in gen],
-                                   tok_s=[new / gen[k] for k in gen]))
-    df['speedup'] = df.ms.iloc[0] / df.ms
-    return df.assign(threads=torch.get_num_threads())
-
 # %% ../nbs/07a_specialize.ipynb #412b144b
 def _batches(x, name:str)->list:
     if x is None or isinstance(x, (torch.Tensor, dict, str)) or not hasattr(x, '__iter__'):
@@ -501,10 +394,13 @@ class Specialized:
     e2e:pd.DataFrame       # original, specialized and the whole-model bf16 reference, timed in one process
     tolerance:float        # the tolerance applied
     findings:pd.DataFrame  # what the miner found on the calibration sketches
+    seconds:float=math.nan # how long `specialize_model` took
+    machine:dict=None      # `kernels.machine()`: the CPU and libraries it measured on
     def __repr__(self):
         r = self.report
+        took = f", in {self.seconds:.0f} s" if self.seconds == self.seconds else ''
         return (f"Specialized({r[r.applied.astype(bool)].site.nunique()} of {r.site.nunique()} linear sites specialized, {self.speedup:.2f}× end to end, "
-                f"{', '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in self.error.items() if k != 'first_divergence')})")
+                f"{', '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in self.error.items() if k != 'first_divergence')}{took})")
 
 def _reason(measured, i, picks):
     row, ch = measured[i]
@@ -517,7 +413,7 @@ def _reason(measured, i, picks):
 
 # %% ../nbs/07a_specialize.ipynb #1b265f91
 def format_report(res:Specialized)->str:
-    "Aligned text: one line per linear site (its kernel per regime with the measured speedup, or dense and why), then the end-to-end table and error."
+    "Aligned text: one line per linear site (its kernel per regime with the measured speedup, or dense and why), then the end-to-end table and error, any cut-back, the time it took and the machine."
     r, lines = res.report, []
     for site, g in r.groupby('site', sort=False):
         parts = []
@@ -529,12 +425,15 @@ def format_report(res:Specialized)->str:
             else:
                 best = g.loc[g[col].idxmax()]
                 parts.append(f"{reg} dense (best {best.exploit} {best[col]:.2f}×)")
-        back = g.reason.fillna('').str.startswith('rolled back').any()
-        lines.append([site, '  '.join(parts) + ('  [rolled back]' if back else '')])
+        why = g.reason.fillna('')
+        back = '  [rolled back]' if why.str.startswith('rolled back').any() else '  [cut back]' if why.str.startswith('cut back').any() else ''
+        lines.append([site, '  '.join(parts) + back])
     w = max((len(a) for a, _ in lines), default=0)
     e2e = res.e2e.drop(columns='threads').to_string(index=False, float_format=lambda v: f'{v:.3g}')
     err = ', '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in res.error.items())
-    return '\n'.join([f'{a.ljust(w)}  {b}' for a, b in lines] + ['', f"end to end ({res.e2e.threads.iloc[0]} thread(s)):", e2e, '', f'error: {err}'])
+    notes = [r.attrs[k] for k in ('cut', 'bf16_note') if r.attrs.get(k)]
+    took = f"specialized in {res.seconds:.0f} s" + (f" on {format_machine(res.machine)}" if res.machine else '')
+    return '\n'.join([f'{a.ljust(w)}  {b}' for a, b in lines] + ['', f"end to end ({res.e2e.threads.iloc[0]} thread(s)):", e2e, '', f'error: {err}'] + notes + [took])
 
 # %% ../nbs/07a_specialize.ipynb #c129fe88
 def _measure_all(sites, caps, calib, decoder, n, findings, progress):
@@ -584,6 +483,27 @@ def _rollback(spec, mods, order, ref, tol):
         else: hi = mid
     return lo, err(lo), full   # err(lo) also leaves the sites of the prefix enabled
 
+CUT_ROUNDS = 3   # interleaved rounds of each end-to-end probe of the speed cut-back
+
+def _slower(base:list, spec:list)->bool:
+    "Whether `spec` took longer than `base` in every interleaved round: slower beyond the rounds' noise (by chance: 1 in 2^rounds)."
+    return len(base) > 0 and all(s > b for b, s in zip(base, spec))
+
+def _cut_slow(model, spec, mods, order, holdout, decoder, n, rounds:int=CUT_ROUNDS)->int:
+    "The largest prefix of `order` (sites by measured gain) whose model is no slower than `model` end to end at the median of `rounds` interleaved rounds, by `_rollback`'s bisection (0: none); leaves that prefix enabled."
+    def fast(k):
+        for i, s in enumerate(order): mods[s].enabled = i < k
+        with torch.no_grad(): t = _round_times({'o': _whole(model, holdout, decoder, n), 's': _whole(spec, holdout, decoder, n)}, rounds)
+        return np.median(t['s']) <= np.median(t['o'])
+    lo, hi = 0, len(order)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fast(mid): lo = mid
+        else: hi = mid
+    for i, s in enumerate(order): mods[s].enabled = i < lo
+    return lo
+
+
 # %% ../nbs/07a_specialize.ipynb #fc85ba6d
 def specialize_model(model:nn.Module, # any module whose forward takes tensors or keyword inputs (left untouched)
                      calib:list, # batches to plan on: tensors, tuples, or dicts of keyword inputs (as `record` takes them)
@@ -610,15 +530,30 @@ def specialize_model(model:nn.Module, # any module whose forward takes tensors o
     try: return _specialize(model, sites, calib, holdout, tol, decoder, max_new_tokens, rounds, progress)
     finally: torch.set_num_threads(old)
 
+def _stages(progress:bool, n:int=4):
+    "A function that marks the next stage of `specialize_model` on a tqdm bar (a no-op without `progress`)."
+    if not progress: return lambda name: None
+    from tqdm.auto import tqdm
+    bar = tqdm(total=n, desc='specialize', leave=False)
+    def stage(name):
+        if bar.n or bar.postfix: bar.update()
+        bar.set_postfix_str(name)
+        if name == 'done': bar.close()
+    return stage
+
 def _specialize(model, sites, calib, holdout, tol, decoder, n, rounds, progress):
+    t0, here, stage = time.perf_counter(), machine(), _stages(progress)
+    stage('record and mine')
     spec, extra = copy.deepcopy(model).eval(), ({'use_cache': False} if decoder else {})
     sites = {s: spec.get_submodule(s) for s in sites}
     caps = [capture_lhs(spec, b, sites, f'calib[{i}]', **extra) for i, b in enumerate(calib)]
     try: ref = Reference(model, holdout, decoder, n)
     except Exception as e: raise InputError(f"holdout: the model rejects a batch ({_first_line(e)})") from None
     findings = mine(record(spec, [_with(b, extra) for b in calib], run_id='calib', progress=progress))
+    stage('measure sites')
     rows, chosen, gains = _measure_all(sites, caps, calib, decoder, n, findings, progress)
     del caps                                                  # the captured activations: not needed past the A/B
+    stage('accuracy')
     mods = {s: SpecializedLinear(sites[s], ch, s) for s, ch in chosen.items()}
     for s, m in mods.items(): _swap(spec, s, m)
     bf = copy.deepcopy(model).to(torch.bfloat16)
@@ -629,13 +564,28 @@ def _specialize(model, sites, calib, holdout, tol, decoder, n, rounds, progress)
     said = _said(full)
     report = pd.DataFrame(rows).reindex(columns=REPORT_COLUMNS)
     report['gain_ms'] = report.site.map(gains).where(report.applied)
-    for s in order[keep:]:
-        _swap(spec, s, sites[s])
-        report.loc[(report.site == s) & report.applied, 'reason'] = \
-            f"rolled back: with all {len(order)} sites applied {said}, outside tolerance {tol:.4g}"
-        report.loc[report.site == s, 'applied'] = False
+    def drop(sites_, why):
+        for s in sites_:
+            _swap(spec, s, sites[s])
+            report.loc[(report.site == s) & report.applied, 'reason'] = why
+            report.loc[report.site == s, 'applied'] = False
+    drop(order[keep:], f"rolled back: with all {len(order)} sites applied {said}, outside tolerance {tol:.4g}")
     for s in order[:keep]: mods[s].enabled = True
-    e2e = end_to_end({'original': model, 'specialized': spec, 'bf16 whole model': bf}, holdout, decoder, n, rounds)
+    stage('end to end')
+    # the whole-model bf16 reference is timed only where bf16 runs natively (emulated, it is ~10× slower than float32)
+    models = {'original': model, 'specialized': spec, **({'bf16 whole model': bf} if here['bf16_native'] else {})}
+    e2e, cut = end_to_end(models, holdout, decoder, n, rounds), ''
+    per = e2e.attrs['rounds']
+    if keep and _slower(per['original'], per['specialized']):   # the whole-model A/B decides last
+        was = float(e2e.speedup.iloc[1])
+        k = _cut_slow(model, spec, mods, order[:keep], holdout, decoder, n)
+        cut = (f"cut back to the {k} of {keep} applied sites of largest measured gain: with all {keep} the model ran {was:.2f}× end to end, "
+               f"slower than the original in each of {len(per['original'])} rounds")
+        drop(order[k:keep], f"cut back: {keep} sites together ran {was:.2f}× end to end, slower than the original")
+        err = ref.error(spec)
+        e2e = end_to_end(models, holdout, decoder, n, rounds)
     err = dict(err, **{f'bf16_{k}': v for k, v in bf_err.items() if k != 'first_divergence'})
-    report.attrs.update(tolerance=tol, decoder=decoder, threads=torch.get_num_threads(), ab_threads=1)
-    return Specialized(spec, report, float(e2e.speedup.iloc[1]), err, e2e, tol, findings)
+    report.attrs.update(tolerance=tol, decoder=decoder, threads=torch.get_num_threads(), ab_threads=1, cut=cut,
+                        bf16_note='' if here['bf16_native'] else 'whole-model bf16 not timed: oneDNN has no native bf16 on this CPU (its accuracy is in the error)')
+    stage('done')
+    return Specialized(spec, report, float(e2e.speedup.iloc[1]), err, e2e, tol, findings, time.perf_counter() - t0, here)

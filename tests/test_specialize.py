@@ -96,3 +96,44 @@ def test_int4_candidate_needs_a_4bit_grid():
     with torch.no_grad(): lin.weight.copy_((q.reshape(48, 2, 32) * step[..., None] + low[..., None]).reshape(48, 64))
     c = {c[0]: c for c in candidates('s', lin, none)}
     assert 'int4-weight' in c and 'fit error' in c['int4-weight'][4]
+
+
+_CAPPED = r"""
+import json, torch
+from opscope.zoo import tiny_decoder, mlp, make_tensor
+from opscope.specialize import specialize_model, SpecializedLinear, format_report
+torch.manual_seed(0)
+out = {}
+net = mlp(layers=2, d_in=64, hidden=256, d_out=32).eval()
+b = [make_tensor('gaussian', (64, 64), seed=s) for s in range(4)]
+models = {'mlp': (net, dict(calib=b[:2], holdout=b[2:], rounds=3))}
+m = tiny_decoder('llama').eval()
+g = torch.Generator().manual_seed(0)
+p = [dict(input_ids=torch.randint(3, m.config.vocab_size, (2, 10), generator=g), attention_mask=torch.ones(2, 10, dtype=torch.long)) for _ in range(2)]
+models['llama'] = (m, dict(calib=p[:1], holdout=p[1:], max_new_tokens=4, rounds=1))
+for name, (model, kw) in models.items():
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res = specialize_model(model, kw.pop('calib'), **kw)
+    out[name] = dict(untouched=all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not any(isinstance(c, SpecializedLinear) for c in model.modules()),
+                     error=res.error, tolerance=res.tolerance, isa=res.machine['isa'], bf16_native=res.machine['bf16_native'],
+                     seconds=res.seconds, report='AVX2' in format_report(res), rows=len(res.report), exploits=sorted(set(res.report.exploit) - {''}))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ('AVX2', 'AVX512'), reason='an x86 CPU with AVX2 at least')
+def test_specialize_under_the_avx2_cap():
+    "specialize_model runs to the end in a process capped to AVX2 (`kernels.ISA_CAPS`): the model untouched, the accuracy within tolerance, the report naming the capped ISA (no timing is asserted)."
+    import json, os, subprocess, sys
+    from opscope.kernels import capped_env
+    r = subprocess.run([sys.executable, '-c', _CAPPED], env=capped_env('avx2', {**os.environ, 'OMP_NUM_THREADS': '1'}),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    mlp, llama = out['mlp'], out['llama']
+    assert mlp['untouched'] and llama['untouched']
+    assert mlp['error']['min_cosine'] >= mlp['tolerance']
+    assert llama['error']['greedy_equal'] >= llama['tolerance'] * llama['error']['prompts'] - 1e-9
+    for o in (mlp, llama):
+        assert o['isa'] == 'AVX2' and o['bf16_native'] is False and o['report'] and o['seconds'] > 0
+        assert {'int8-fbgemm', 'fp16-weight', 'bf16', 'int8'} <= set(o['exploits'])
