@@ -12,8 +12,8 @@ from .exploits import Kernel
 # %% auto #0
 __all__ = ['ABS_COPY_MAX', 'SMALL_READ', 'FUSE_INT8', 'FP16_MAX', 'INT4_GROUP', 'ISA_CAPS', 'FLAGS', 'kernel_dead',
            'kernel_sparse', 'Verdict', 'int_mm_exact', 'kernel_int8', 'fused_int8', 'kernel_bf16', 'kernel_fp16',
-           'kernel_int8_weight', 'kernel_int8_fbgemm', 'kernel_fp16_weight', 'int4_grid', 'kernel_int4_weight',
-           'kernel_lowrank', 'kernel_prepack', 'capped_env', 'machine', 'format_machine']
+           'kernel_int8_weight', 'fused_fbgemm_rows', 'kernel_int8_fbgemm', 'kernel_fp16_weight', 'int4_grid',
+           'kernel_int4_weight', 'kernel_lowrank', 'kernel_prepack', 'capped_env', 'machine', 'format_machine']
 
 # %% ../nbs/02d_kernels.ipynb #7bbbeadb
 def kernel_dead(w, b, keep):
@@ -118,9 +118,7 @@ def kernel_int8(w, b, outliers=None):
     fusable = w.device.type == 'cpu' and w.dtype == torch.float32
     def rows(x, limit=None):
         guard, f = limit is not None, None
-        if fusable and FUSE_INT8 and type(x) is torch.Tensor and x.dtype == torch.float32 and x.shape[0] and not x.requires_grad \
-                and not torch._C._len_torch_dispatch_stack() and not torch.compiler.is_compiling():   # not under a tracer (make_fx, export, Dynamo): it sees the eager ops
-            f = fused_int8(split, bias, guard)
+        if fusable and _fusable(x): f = fused_int8(split, bias, guard)
         r = f(x.contiguous(), *args) if f is not None else eager[guard](x, *args)
         return r[0], (Verdict(r[1], c127 / limit) if guard else None)
     return Kernel(lambda x: rows(x)[0], wq.numel() + sw.numel() * sw.element_size() + (wo.numel() * wo.element_size() if split else 0), False, rows)
@@ -140,40 +138,55 @@ def _int8_inputs(M:int, K:int, N:int, split:bool, bias:bool, seed:int=0)->list:
     wq, sw, out, wo = _int8_weights(torch.randn(N, K, generator=g), [1, K - 2] if split else None)
     return [torch.randn(M, K, generator=g), wq, sw] + ([torch.randn(N, generator=g)] if bias else []) + ([out, wo] if split else [])
 
-def _compile_int8(split:bool, bias:bool, guard:bool):
-    "Trace `_int8_graph` with every size symbolic (M, K, N, the outlier count) and compile it with Inductor; check it against the eager ops on other sizes."
+def _compile(f, eager, sample:list, checks:list):
+    "`f` traced with every size of the `sample` inputs symbolic and compiled by Inductor, checked against `eager` (the same arithmetic as eager ops) on each input list of `checks` (other sizes than traced): one helper for every fused graph of this module."
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv, StatelessSymbolicContext, DimDynamic
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch._guards import tracing, TracingContext
-    from torch._inductor import compile as inductor_compile
-    f, eager = _int8_graph(split, bias, guard, _absmax_traced, _int8_mm()), _int8_graph(split, bias, guard, mm=_int8_mm())
+    from torch._inductor import compile as inductor_compile, config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
     fm = FakeTensorMode(shape_env=ShapeEnv())
     sym = lambda t: fm.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim()))
-    ex = [sym(t) for t in _int8_inputs(5, 48, 40, split, bias)]      # distinct sizes: equal sample sizes would be traced as one symbol
+    ex = [sym(t) for t in sample]                                      # distinct sizes: equal sample sizes would be traced as one symbol
     log = logging.getLogger('torch.utils.cpp_extension'); level = log.level
     log.setLevel(logging.ERROR)                                       # its note that no CUDA runtime exists, on a CPU-only machine
     try:
         with torch.no_grad():
             with fm: gm = make_fx(f, tracing_mode='symbolic')(*ex)
-            with tracing(TracingContext(fm)): cf = inductor_compile(gm, ex)
-            for M, K, N in ((1, 64, 24), (9, 32, 72)):                # other sizes than traced, one row among them
-                xs = _int8_inputs(M, K, N, split, bias, seed=M)
-                for a, e in zip(cf(*xs), eager(*xs)):
-                    if a.shape != e.shape or not torch.allclose(a, e, rtol=1e-4, atol=1e-4 * float(e.abs().max())):
-                        raise RuntimeError(f'the compiled graph disagrees with the eager ops at {M} × {K} → {N}')
+            with tracing(TracingContext(fm)), inductor_config.patch({'cpp.simdlen': pick_vec_isa().bit_width()}):   # the ISA in the cache key: see above
+                cf = inductor_compile(gm, ex)
+            for xs in checks:
+                for a, e in zip(cf(*[t.clone() for t in xs]), eager(*xs)):
+                    if a.shape != e.shape or not torch.allclose(a, e, rtol=1e-4, atol=1e-4 * float(e.abs().max()), equal_nan=True):
+                        raise RuntimeError(f"the compiled graph disagrees with the eager ops at sizes {' '.join('×'.join(map(str, t.shape)) for t in xs)}")
     finally: log.setLevel(level)
     return cf
 
-def fused_int8(split:bool, bias:bool, guard:bool):
-    "`kernel_int8`'s graph for float32 CPU inputs of any size, compiled once per process and thread count by Inductor (PyTorch's own compiler: it writes the C++ loops from the same aten ops, no native code of ours), or None where it cannot be compiled (no C++ compiler, say): `kernel_int8` then runs the eager ops, after one warning."
-    key = (split, bias, guard, torch.get_num_threads())
+def _compile_int8(split:bool, bias:bool, guard:bool):
+    "`_int8_graph` compiled by `_compile` (every size symbolic: M, K, N, the outlier count), checked against the eager ops at 1 × 64 → 24 and 9 × 32 → 72."
+    return _compile(_int8_graph(split, bias, guard, _absmax_traced, _int8_mm()), _int8_graph(split, bias, guard, mm=_int8_mm()),
+                    _int8_inputs(5, 48, 40, split, bias), [_int8_inputs(M, K, N, split, bias, seed=M) for M, K, N in ((1, 64, 24), (9, 32, 72))])
+
+def _fused(key:tuple, build, what:str):
+    "The compiled graph `build()` for `key`, once per process and thread count, or None (after one warning naming `what`) where it cannot be compiled."
+    key = key + (torch.get_num_threads(),)
     if key not in _FUSED:
-        try: _FUSED[key] = _compile_int8(split, bias, guard)
+        try: _FUSED[key] = build()
         except Exception as e:
             _FUSED[key] = None
-            warnings.warn(f"kernel_int8: runs as eager ops; Inductor could not compile its fused graph ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})")
+            warnings.warn(f"{what}: runs as eager ops; Inductor could not compile its fused graph ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})")
     return _FUSED[key]
+
+def fused_int8(split:bool, bias:bool, guard:bool):
+    "`kernel_int8`'s graph for float32 CPU inputs of any size, compiled once per process and thread count by Inductor (PyTorch's own compiler: it writes the C++ loops from the same aten ops, no native code of ours), or None where it cannot be compiled (no C++ compiler, say): `kernel_int8` then runs the eager ops, after one warning."
+    return _fused((split, bias, guard), lambda: _compile_int8(split, bias, guard), 'kernel_int8')
+
+def _fusable(x)->bool:
+    "Whether a call on `x` may take a compiled graph: `FUSE_INT8`, a plain float32 tensor with rows that needs no gradient, not under a tracer (make_fx, export, Dynamo: it sees the eager ops)."
+    return FUSE_INT8 and type(x) is torch.Tensor and x.dtype == torch.float32 and x.shape[0] > 0 and not x.requires_grad \
+        and not torch._C._len_torch_dispatch_stack() and not torch.compiler.is_compiling()
+
 
 # %% ../nbs/02d_kernels.ipynb #357ab02d
 FP16_MAX = 65504.0   # the largest finite float16
@@ -224,8 +237,42 @@ def _qint8_channels(w, scale):
         warnings.filterwarnings('ignore', message='torch.quantize_per_tensor, torch.quantize_per_channel')
         return torch.quantize_per_channel(w, scale.double(), torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
 
+def _finite_or_zero(t):
+    "`t` with NaN and ±Inf set to 0, in place (one eager op)."
+    return t.nan_to_num_(0., 0., 0.)
+
+def _finite_or_zero_traced(t):
+    "`_finite_or_zero` as a compare and a select: Inductor vectorizes these, while its `nan_to_num` tests each element for NaN in a scalar loop."
+    return torch.where(t.abs() < math.inf, t, 0.)              # NaN and ±Inf fail the compare
+
+def _fbgemm_rows_graph(split:bool, guard:bool, absmax=_row_absmax, finite=_finite_or_zero):
+    "`kernel_int8_fbgemm`'s per-call row work as one function, (x[, out]) -> (x/s with NaN and Inf zeroed, s[, ‖x/s‖ per row]): outlier channels zeroed, each row's absmax `s`, the division, the guard's norm, fbgemm's finite input. Run as eager ops, or traced for `fused_fbgemm_rows` (with `_absmax_traced` and `_finite_or_zero_traced`)."
+    def f(x, *rest):
+        xi = x.index_fill(1, rest[0], 0) if split else x
+        s = absmax(xi).clamp_min_(1e-30)
+        xs = xi / s                                      # rows in [-1, 1], or NaN where a row holds NaN or Inf
+        g = torch.linalg.vector_norm(xs, 2, 1) if guard else None   # non-finite for such a row: the guard refuses it
+        xs = finite(xs)                                  # a NaN would spoil fbgemm's range of the whole call; the row comes out NaN from its scale
+        return (xs, s, g) if guard else (xs, s)
+    return f
+
+def _fbgemm_rows_inputs(M:int, K:int, split:bool, seed:int=0)->list:
+    "Sample inputs of `_fbgemm_rows_graph`: x (M × K, a row of zeros when M > 2) and the outlier channels."
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
+    if M > 2: x[2] = 0.
+    return [x] + ([torch.tensor([1, K - 2])] if split else [])
+
+def _compile_fbgemm_rows(split:bool, guard:bool):
+    "`_fbgemm_rows_graph` compiled by `_compile` (M, K and the outlier count symbolic), checked against the eager ops at 1 × 64 and 9 × 32."
+    return _compile(_fbgemm_rows_graph(split, guard, _absmax_traced, _finite_or_zero_traced), _fbgemm_rows_graph(split, guard),
+                    _fbgemm_rows_inputs(5, 48, split), [_fbgemm_rows_inputs(M, K, split, seed=M) for M, K in ((1, 64), (9, 32))])
+
+def fused_fbgemm_rows(split:bool, guard:bool):
+    "`kernel_int8_fbgemm`'s row work for float32 CPU inputs of any size, compiled once per process and thread count (as `fused_int8`), or None where it cannot be compiled: the eager ops then, after one warning."
+    return _fused(('fbgemm-rows', split, guard), lambda: _compile_fbgemm_rows(split, guard), 'kernel_int8_fbgemm')
+
 def kernel_int8_fbgemm(w, b, outliers=None):
-    "int8 GEMM through fbgemm (`torch.ops.quantized.linear_dynamic`, prepacked per-channel int8 weight) with a dynamic scale per lhs row: each row divided by its absmax, so fbgemm's one scale per call is one per row, the output rows multiplied back, the bias added after. The `outliers` lhs channels stay float32. `rows(x, limit)` also returns `kernel_int8`'s guard: finite, not all zero, crest at most `limit`."
+    "int8 GEMM through fbgemm (`torch.ops.quantized.linear_dynamic`, prepacked per-channel int8 weight) with a dynamic scale per lhs row: each row divided by its absmax, so fbgemm's one scale per call is one per row, the output rows multiplied back, the bias added after. The `outliers` lhs channels stay float32. `rows(x, limit)` also returns `kernel_int8`'s guard: finite, not all zero, crest at most `limit`. The row work before fbgemm runs as one compiled graph on float32 CPU inputs (`fused_fbgemm_rows`, under the conditions of `kernel_int8`'s), else as eager ops."
     _need_fbgemm(w, 'int8-fbgemm kernel')
     w = w.detach()
     out = torch.as_tensor(sorted(outliers if outliers is not None else []), dtype=torch.long)
@@ -235,15 +282,18 @@ def kernel_int8_fbgemm(w, b, outliers=None):
     pk = torch.ops.quantized.linear_prepack(_qint8_channels(wi, sw), None)
     wo = w.index_select(1, out).t().contiguous() if split else None   # the outlier channels' float weight
     b, rootK = (b.detach() if b is not None else None), math.sqrt(w.shape[1])
+    args = (out,) if split else ()
+    eager = {guard: _fbgemm_rows_graph(split, guard) for guard in (False, True)}
     def rows(x, limit=None):
-        xi = x.index_fill(1, out, 0) if split else x
-        s = _row_absmax(xi).clamp_min_(1e-30)
-        xs = xi / s                                                   # rows in [-1, 1], or NaN where a row holds NaN or Inf
-        v = Verdict(torch.linalg.vector_norm(xs, 2, 1), rootK / limit) if limit is not None else None
-        y = torch.ops.quantized.linear_dynamic(xs.nan_to_num_(0., 0., 0.), pk, True).mul_(s)   # a NaN would spoil fbgemm's range of the whole call; the row comes out NaN from its scale
-        if split: y.addmm_(x.index_select(1, out), wo)
-        if b is not None: y.add_(b)
-        return y, v
+        guard, f = limit is not None, None
+        if _fusable(x): f = fused_fbgemm_rows(split, guard)
+        r = f(x.contiguous(), *args) if f is not None else eager[guard](x, *args)
+        y = torch.ops.quantized.linear_dynamic(r[0], pk, True)
+        base = (torch.addmm(b, x.index_select(1, out), wo) if b is not None else x.index_select(1, out) @ wo) if split else b
+        s, v = r[1], (Verdict(r[2], rootK / limit) if guard else None)
+        if base is None: return y.mul_(s), v
+        if torch.is_grad_enabled() and (s.requires_grad or base.requires_grad): return y.mul_(s).add_(base), v   # autograd takes no `out=`
+        return torch.addcmul(base, y, s, out=y), v                   # rescale and bias in one pass
     return Kernel(lambda x: rows(x)[0], wi.numel() + sw.numel() * 4 + (wo.numel() * 4 if split else 0), False, rows)
 
 def kernel_fp16_weight(w, b, arg=None):

@@ -688,10 +688,10 @@ register(Exploit('low-rank', (), 'rank-r factors of the weight (found by the pro
 register(Exploit('stationary', (Rule('cross', rule_stationary),), 'precompute / prepack what depends on it only'))
 register(Exploit('int8', (Rule('features', rule_quant),), 'int8 GEMM: per-row lhs × per-channel weight',
                  evidence=evidence_int8, guard=partial(guard_crest, cap=INT8_MAX_CREST), guard_stat='crest',
-                 kernel='kernel_int8', cost=cost_int8, plan_order=2))
+                 kernel='kernel_int8', cost=cost_int8, plan_order=2, tried=True, splits=True))
 register(Exploit('int4', (Rule('features', rule_quant),), 'int4 per-tensor'))
 register(Exploit('prepack', (), 'store wᵀ contiguous once, not per call (a stationary weight)', finds=False,
-                 evidence=evidence_prepack, kernel='kernel_prepack', cost=cost_prepack, dense_extra=cost_pack, plan_order=4))
+                 evidence=evidence_prepack, kernel='kernel_prepack', cost=cost_prepack, dense_extra=cost_pack, plan_order=4, tried=True))
 
 EXPLOITS = tuple(n for n, e in REGISTRY.items() if e.finds)   # the findings' vocabulary, in reading order
 INFER_EXPLOITS = tuple(n for n, e in REGISTRY.items() if set(e.roles) <= {'attn', 'gate'})   # softmax / top-k findings

@@ -130,32 +130,49 @@ def writer_of(path, # an OUT: a .csv or .parquet file or a dataset directory
     try: fd = os.open(_lock_file(Path(path), rank), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError: return None
     try:
-        try: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError: pid = os.read(fd, 32).decode(errors='replace').strip() or 'unknown'
+        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # held in any mode (ranks share the main lock) when this fails
+        except BlockingIOError: pid = _pid_in(fd)
         else: return None
         return None if pid == str(os.getpid()) else pid
     finally: os.close(fd)
 
+def _pid_in(fd)->str:
+    "The pid a lock file holds (its first line; ranks sharing the main lock each wrote theirs there, so one of them), or 'unknown'."
+    return os.pread(fd, 32, 0).decode(errors='replace').partition('\n')[0].strip() or 'unknown'
+
 # %% ../nbs/02_recorder.ipynb #346d5634-l2
 def _hold(lock:Path, # the lock file
           out:Path, # the OUT it guards, for the message
+          shared:bool=False, # a shared lock (a ranked dataset writer's on the main lock): other shared holders are let in
          ):
-    "`lock` open (a file object: a writer dropped unclosed lets go when it is collected), exclusively locked and holding this pid; an `InputError` naming the holder when another writer has it."
+    "`lock` open (a file object: a writer dropped unclosed lets go when it is collected), locked (exclusively unless `shared`) and holding this pid; an `InputError` naming the holder when another writer has it."
     for _ in range(LOCK_TRIES):
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); alone = True
+            except BlockingIOError:
+                if not shared: raise
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB); alone = False   # other ranks hold it: join them
         except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors='replace').strip() or 'unknown'; os.close(fd); time.sleep(0.02); continue
+            holder = _pid_in(fd); os.close(fd); time.sleep(0.02); continue
         try: same = os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError: same = False
         if same:
-            os.ftruncate(fd, 0); os.write(fd, f'{os.getpid()}\n'.encode()); return open(fd, 'r+b', buffering=0)
+            if alone or not os.pread(fd, 1, 0):     # a rank joining others keeps the pid already named there
+                os.ftruncate(fd, 0); os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+            if shared and alone: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)   # let the other ranks in
+            return open(fd, 'r+b', buffering=0)
         os.close(fd); holder = None     # the writer that held it removed it as it released it: lock the new one
     raise InputError(f"{shown(out)}: another writer (pid {holder}) is recording into it; wait for it to finish, or choose another OUT")
 
-def _release(f, lock:Path):
-    "Remove `lock` while still holding it, then let it go (a writer that opened the removed file sees so and locks afresh)."
-    try: lock.unlink(missing_ok=True)
+def _release(f, lock:Path, shared:bool=False):
+    "Remove `lock` while holding it exclusively, then let it go (a writer that opened the removed file sees so and locks afresh); a shared holder removes it only when it can take it exclusively, i.e. it was the last."
+    fd = f.fileno()
+    try:
+        if shared and _pid_in(fd) == str(os.getpid()): os.ftruncate(fd, 0)   # never name a writer that has gone ('unknown' until another rank joins)
+        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)            # already exclusive: a no-op
+        except BlockingIOError: return                                 # other ranks still hold it: theirs to remove
+        if os.fstat(fd).st_nlink: lock.unlink(missing_ok=True)
     finally: f.close()
 
 # %% ../nbs/02_recorder.ipynb #346d5634
@@ -182,8 +199,15 @@ class Recorder:
         if self.path.is_symlink():
             raise InputError(f"{shown(self.path)} is a symbolic link (to {shown(os.readlink(self.path))}); a recording is never written through a link: remove it or choose another OUT")
         if self._lock is None and fcntl is not None:
-            lock = _lock_file(self.path, self.rank if self.fmt == 'dataset' else None)
-            self._lock = (_hold(lock, self.path), lock)
+            main, held = _lock_file(self.path), []
+            ranked = self.fmt == 'dataset' and self.rank is not None   # a rank's partition: its own lock, and the main one shared
+            try:
+                held.append((_hold(main, self.path, shared=ranked), main, ranked))
+                if ranked: rl = _lock_file(self.path, self.rank); held.append((_hold(rl, self.path), rl))
+            except BaseException:
+                for h in held[::-1]: _release(*h)
+                raise
+            self._lock = held
         return self
     def write(self, df:pd.DataFrame):
         "Append one step's rows and make them durable (committed where `read_sketches` looks) before returning."
@@ -229,7 +253,9 @@ class Recorder:
         "Finish the output: CSV cut back to its last whole step, Parquet parts combined atomically; a dataset needs nothing. Then let the writer lock go."
         try: self._finish()
         finally:
-            if self._lock is not None: _release(*self._lock); self._lock = None
+            if self._lock is not None:
+                for h in self._lock[::-1]: _release(*h)
+                self._lock = None
     def _finish(self):
         if not self._opened: return                  # nothing written: what is at OUT is not this writer's
         if self._f is not None:

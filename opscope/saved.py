@@ -4,7 +4,7 @@
 
 # %% ../nbs/07b_saved.ipynb #b7c0a003
 from __future__ import annotations
-import copy, hashlib, json, math, os, re, stat, time, warnings
+import copy, hashlib, json, math, os, stat, time, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +16,6 @@ from fastcore.basics import patch
 from . import __version__
 from .exploits import REGISTRY
 from . import kernels
-from .kernels import int4_grid
 from .tables import InputError, atomic_write
 from .plan import make_kernel, ab_bench
 from .probe import save_tensors, load_tensors
@@ -24,10 +23,9 @@ from .specialize import (Specialized, SpecializedLinear, Choice, linear_sites, i
                                 AB_ROUNDS, SKIP_SLOWER, PASS_SKIP_SLOWER, _once, _swap)
 
 # %% auto #0
-__all__ = ['CAP_VARS', 'PER_PROCESS', 'PROBE_SEED', 'ARG_RULES', 'PLAN_FORMAT', 'PLAN_JSON', 'PLAN_TENSORS', 'REGIMES',
-           'MAX_PLAN_BYTES', 'DTYPES', 'LOADED_COLUMNS', 'machine', 'machine_diff', 'fingerprint', 'recover_arg',
-           'plan_entries', 'check_save_dir', 'write_plan', 'read_plan', 'check_model', 'read_tensors', 'Loaded',
-           'load_specialized']
+__all__ = ['CAP_VARS', 'PER_PROCESS', 'PROBE_SEED', 'PLAN_FORMAT', 'PLAN_JSON', 'PLAN_TENSORS', 'REGIMES', 'MAX_PLAN_BYTES',
+           'DTYPES', 'LOADED_COLUMNS', 'machine', 'machine_diff', 'fingerprint', 'saved_arg', 'plan_entries',
+           'check_save_dir', 'write_plan', 'read_plan', 'check_model', 'read_tensors', 'Loaded', 'load_specialized']
 
 # %% ../nbs/07b_saved.ipynb #b7c0a007
 CAP_VARS = ('ATEN_CPU_CAPABILITY', 'ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA', 'MKL_ENABLE_INSTRUCTIONS', 'FBGEMM_ENABLE_INSTRUCTIONS')   # per-process ISA caps the backends read
@@ -85,35 +83,28 @@ def _run(k, limit, x:torch.Tensor)->torch.Tensor:
 def _wb(lin)->tuple: return lin.weight.detach(), (lin.bias.detach() if lin.bias is not None else None)
 
 # %% ../nbs/07b_saved.ipynb #b7c0a015
-ARG_RULES = {   # exploit -> (choice, layer, regime rows, report note) -> the arg its builder most likely had
-    'int8': lambda c, lin, M, note: [int(i) for i in c.channels] or None,
-    'dead-channels': lambda c, lin, M, note: sorted(set(range(lin.in_features)) - {int(i) for i in c.channels}),
-    'prepack': lambda c, lin, M, note: M,
-    'low-rank': lambda c, lin, M, note: int(r[1]) if (r := re.search(r'rank (\d+) of', note or '')) else None,
-    'int4-weight': lambda c, lin, M, note: int4_grid(lin.weight.detach()),
-}
-
-def _arg_tries(c:Choice, lin, M:int, note:str):
-    "The builder args to try for `c`, most likely first: its own `arg` where a `Choice` keeps one, its record's rule, its channels, none."
-    if hasattr(c, 'arg'): yield c.arg
-    if c.exploit in ARG_RULES: yield ARG_RULES[c.exploit](c, lin, M, note)
-    if len(c.channels): yield [int(i) for i in c.channels]
-    yield None
-
-def recover_arg(c:Choice, lin, # the choice and its layer (an `nn.Linear` or `SpecializedLinear`)
-                M:int, # rows of the regime's calls: the probe's size
-                note:str='', # the report row's note (low-rank's rank)
-               )->tuple:
-    "(arg, probe digest): the builder `arg` that rebuilds `c.kernel` through its record to the same output bit for bit on the probe; `InputError` when none does."
+def saved_arg(c:Choice, lin, # the choice and its layer (an `nn.Linear` or `SpecializedLinear`)
+              M:int, # rows of the regime's calls: the probe's size
+             )->tuple:
+    "(arg, probe digest): `c.arg`, checked to rebuild `c.kernel` through its record to the same output bit for bit on the probe; `InputError` when it does not."
     w, b = _wb(lin)
     with torch.no_grad(), _threads(1):
         x = _probe(M, lin.in_features, w.dtype)
         want = _run(c.kernel, c.limit, x)
-        for arg in _arg_tries(c, lin, M, note):
-            try: got = _run(make_kernel(c.exploit, w, b, arg), c.limit, x)
-            except Exception: continue                     # a wrong guess of an arg can fail to build
-            if got.shape == want.shape and torch.equal(got, want): return arg, _digest(want)
-    raise InputError(f"{c.exploit}: no arg rebuilds this kernel through its record; it cannot be saved")
+        try: got = _run(make_kernel(c.exploit, w, b, c.arg), c.limit, x)
+        except Exception as e: got, why = None, f" ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+        else: why = ''
+        if got is not None and got.shape == want.shape and torch.equal(got, want): return c.arg, _digest(want)
+    raise InputError(f"{c.exploit}: its arg {_shown_arg(c.arg)} does not rebuild this kernel through its record{why}; "
+                     "build the Choice with the arg its kernel was made from to save it")
+
+def _shown_arg(a)->str:
+    "An arg in a few words (a tensor or a tuple of them by shape)."
+    if isinstance(a, torch.Tensor): return f"tensor{list(a.shape)}"
+    if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a): return f"({len(a)} values with tensors)"
+    s = repr(a)
+    return s if len(s) <= 40 else s[:37] + '...'
+
 
 # %% ../nbs/07b_saved.ipynb #b7c0a018
 PLAN_FORMAT = 1   # the layout of plan.json this opscope writes and reads; a plan of a newer format is refused
@@ -138,7 +129,7 @@ def plan_entries(res:Specialized)->list:
             row = rep[(rep.site == site) & (rep.exploit == c.exploit)]
             row = row.iloc[0].to_dict() if len(row) else {}
             M = int(_num(row.get(f'M_{reg}'), DECODE_ROWS if reg == 'decode' else 4 * DECODE_ROWS))
-            arg, probe = recover_arg(c, mod, M, row.get('note') or '')
+            arg, probe = saved_arg(c, mod, M)
             out.append(dict(site=site, regime=reg, exploit=c.exploit, arg=arg, limit=_num(c.limit), guard=c.guard or '',
                             channels=[int(i) for i in c.channels], K=mod.in_features, N=mod.out_features, M=M,
                             speedup=_num(row.get(f'speedup_{reg}')), probe=probe))
@@ -303,7 +294,7 @@ def _timing_rows(c:Choice, M:int, K:int, dtype)->torch.Tensor:
 
 def _admit_all(c:Choice)->Choice:
     "`c` with its guard computed but every (finite) row admitted: what its kernel and guard cost, on rows made up for timing."
-    return Choice(c.exploit, c.kernel, math.inf if c.limit is not None else None, c.guard, c.channels)
+    return Choice(c.exploit, c.kernel, math.inf if c.limit is not None else None, c.guard, c.channels, c.arg)
 
 # %% ../nbs/07b_saved.ipynb #b7c0a033
 def _retime(sites:dict, # site -> its nn.Linear
@@ -368,7 +359,7 @@ def _build(sites:dict, doc:dict, tensors:dict, check:bool)->tuple:
             try:
                 if key not in cache:
                     k = make_kernel(e['exploit'], *_wb(lin), arg)
-                    cache[key] = Choice(e['exploit'], k, e['limit'], e['guard'], e['channels'])
+                    cache[key] = Choice(e['exploit'], k, e['limit'], e['guard'], e['channels'], arg)
                 c = cache[key]
                 if check and _digest(_run(c.kernel, c.limit, _probe(e['M'], e['K'], lin.weight.dtype))) != e['probe']:
                     why[i] = 'dropped: its rebuilt kernel does not reproduce the saved one (opscope or torch changed?)'; continue

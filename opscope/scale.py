@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_scale.ipynb #4a8d0cee
 from __future__ import annotations
-import logging, os, re, socket, time
+import builtins, logging, os, re, socket, time, uuid, warnings
 from contextlib import contextmanager
 from itertools import chain, islice
 from pathlib import Path
@@ -869,6 +869,39 @@ def _run(c, xs, watch, distributed):
         lim = min((w.get('memory_limit') or 0 for w in watch.workers.values()), default=0)
         raise ClusterError(f"the workers running {e.task!r} died {e.allowed_failures + 1} times: {_advice(lim)}") from None
 
+# %% ../nbs/03a_scale.ipynb #8c1e5a01-w1
+WARN_TOPIC = 'opscope-warning'   # the scheduler's event topic (a suffix per call) that brings the warnings of tasks on workers back
+
+def _warnings_plugin(distributed, topic:str):
+    "A worker plugin: each warning a task raises on the worker goes to the scheduler's events under `topic` (its text and category), not to the worker's stderr; the worker's own warnings stay its own."
+    class TaskWarnings(distributed.WorkerPlugin):
+        def setup(self, worker):
+            self.shown = shown = warnings.showwarning
+            def show(message, category, filename, lineno, file=None, line=None):
+                try: distributed.get_worker()
+                except ValueError: return shown(message, category, filename, lineno, file, line)   # not in a task
+                worker.log_event(topic, {'message': str(message), 'category': category.__name__})
+            warnings.showwarning = show
+        def teardown(self, worker): warnings.showwarning = self.shown
+    return TaskWarnings()
+
+@contextmanager
+def _worker_warnings(c, distributed):
+    "Inside: the warnings of tasks on `c`'s workers are collected (`_warnings_plugin`); after, even after a failure: each distinct one warned again here, as the local engines warn theirs (so `cli_errors` prints it as one line)."
+    topic = f"{WARN_TOPIC}-{uuid.uuid4().hex}"
+    try: c.register_plugin(_warnings_plugin(distributed, topic), name=topic)
+    except Exception: topic = None     # a cluster that cannot take it (a worker gone): mining's own checks speak for it
+    try: yield
+    finally:
+        got = []
+        if topic is not None:
+            try: got = [m for _, m in c.get_events(topic)]; c.unregister_worker_plugin(topic)
+            except Exception: pass     # a cluster that failed: the failure is the message
+        for text, cat in dict.fromkeys((m['message'], m['category']) for m in got):
+            cat = getattr(builtins, cat, None)
+            warnings.warn(text, cat if isinstance(cat, type) and issubclass(cat, Warning) else UserWarning, stacklevel=3)
+
+
 # %% ../nbs/03a_scale.ipynb #ca228aa8
 def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3://…, gs://…), a .parquet / .csv file, or a DataFrame
               client=None, # a `distributed.Client`, a scheduler address, or None: a `LocalCluster` for this call
@@ -889,28 +922,29 @@ def mine_dask(sketches, # a Parquet dataset (local directory or fsspec URL: s3:/
     c = (client if isinstance(client, distributed.Client) else distributed.Client(cluster) if cluster is not None
          else _connect_client(distributed, client, security))
     try:
-        watch = _Watch(c, patience)
-        run = lambda *xs: _run(c, xs, watch, distributed)
-        local = None if isinstance(sketches, pd.DataFrame) or '://' in str(sketches) else _parquet_files(Path(sketches))
-        if local:       # a local Parquet dataset: a batch of whole taps per task, mined by DuckDB where it runs
-            found, got = _mine_batched(*local, str(sketches), run, dask.delayed, len(watch.workers) or 1, seed, tuple(rows))
-            if rows: found.attrs['rows'] = got
+        with _worker_warnings(c, distributed):     # what tasks warn on the workers, warned here
+            watch = _Watch(c, patience)
+            run = lambda *xs: _run(c, xs, watch, distributed)
+            local = None if isinstance(sketches, pd.DataFrame) or '://' in str(sketches) else _parquet_files(Path(sketches))
+            if local:       # a local Parquet dataset: a batch of whole taps per task, mined by DuckDB where it runs
+                found, got = _mine_batched(*local, str(sketches), run, dask.delayed, len(watch.workers) or 1, seed, tuple(rows))
+                if rows: found.attrs['rows'] = got
+                return found
+            sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
+            sk, n, vets, read, taps = _whole_taps(sk, run, dask.delayed)
+            name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)
+            cut = vet_steps(_merged_vets(vets) if n else [], name)   # vetted where the rows lie, judged here
+            sk = sk.map_partitions(drop_steps, cut, meta=sk._meta).map_partitions(_m.undefined_inf, meta=sk._meta)   # no manifest rows, no incomplete steps, Inf as NaN
+            if n:
+                if read: st, probs = (_uncut(t, cut) for t in read)      # read with the vetting: one pass over the data fewer
+                else:
+                    st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
+                    probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][PROB_COLS])[0]
+                sk = sk.map_partitions(_p.finite_steps)     # whole (tap, step)s per partition: NaN/Inf ones dropped where they lie, as `mine` does
+                found = _p.findings_from_tables(**_dask_tables(sk, run, taps, seed), steps=st, probs=probs, seed=seed)
+            else: found = pd.DataFrame(columns=_m.FINDINGS)
+            if rows: found.attrs['rows'] = _strkeys(run(sk[sk.stat.isin(list(rows))])[0])
             return found
-        sk = _read_dask(dd, sketches, storage_options, len(watch.workers) or 1)
-        sk, n, vets, read, taps = _whole_taps(sk, run, dask.delayed)
-        name = 'DataFrame' if isinstance(sketches, pd.DataFrame) else str(sketches)
-        cut = vet_steps(_merged_vets(vets) if n else [], name)   # vetted where the rows lie, judged here
-        sk = sk.map_partitions(drop_steps, cut, meta=sk._meta).map_partitions(_m.undefined_inf, meta=sk._meta)   # no manifest rows, no incomplete steps, Inf as NaN
-        if n:
-            if read: st, probs = (_uncut(t, cut) for t in read)      # read with the vetting: one pass over the data fewer
-            else:
-                st = pd.concat(run(*[dask.delayed(_m.step_table)(p) for p in sk.to_delayed()]))   # small: one row per (tap, step)
-                probs = run(sk[(sk.stat == 'numel') & sk.role.isin(['attn', 'lhs'])][PROB_COLS])[0]
-            sk = sk.map_partitions(_p.finite_steps)     # whole (tap, step)s per partition: NaN/Inf ones dropped where they lie, as `mine` does
-            found = _p.findings_from_tables(**_dask_tables(sk, run, taps, seed), steps=st, probs=probs, seed=seed)
-        else: found = pd.DataFrame(columns=_m.FINDINGS)
-        if rows: found.attrs['rows'] = _strkeys(run(sk[sk.stat.isin(list(rows))])[0])
-        return found
     finally:
         if c is not client: c.close()
         if cluster is not None: cluster.close()

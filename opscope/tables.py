@@ -79,7 +79,7 @@ COUNT_STATS = ('numel', 'nan_count', 'inf_count', MANIFEST_STAT)   # counts: fin
 SHARE_STATS = ('density', 'nearzero', 'chan_density')   # shares of a tensor's values: from 0 to 1 (NaN: undefined)
 MAGNITUDE_STATS = ('std', 'absmax', 'rms', 'chan_absmax', 'row_energy', 'hist')   # magnitudes and tallies: >= 0 (NaN: undefined)
 SIZE_COLS = ['M', 'K', 'N', 'numel']   # a tap's sizes: >= 0 in every row; M, K and N >= 1 in a matmul tap's rows
-MATMUL_ROLES = ('lhs', 'rhs', 'out')   # a matmul's taps: one K and one N per site of a run (one model)
+MATMUL_ROLES = ('lhs', 'rhs', 'out')   # a matmul's taps: at one M, a site of a run (one model) never changes both K and N
 SPANS = {'lhs': ('M', 'K'), 'rhs': ('K', 'N'), 'out': ('M', 'N')}   # the sizes each matmul tap's tensor spans: one of them 0, it holds no element
 NAME_COLS = ['run_id', 'site', 'role', 'stat']   # names in a row's key: text without NUL bytes
 RESERVED_COLS = ('schema_version',)   # names a file may not use for a column of its own (the version is the manifest's `idx`)
@@ -440,7 +440,7 @@ def first_bad_value(df:pd.DataFrame)->tuple: # sketches, or a partition of whole
     return _smallest(rows.assign(**{c: np.nan for c in SIZE_COLS if c not in rows}), _key_cols(df), extra)
 
 def site_sizes(df:pd.DataFrame)->pd.DataFrame|None: # sketches, or any partition of them
-    "Per matmul tap (`run_id`, `site`, `role` in `MATMUL_ROLES`) and M, the least and most K and N its `numel` rows give (`K_lo`, `K_hi`, `N_lo`, `N_hi`); None without M, K and N columns. (A matmul of two activations may change K or N with the sequence length, but then M changes with them: at one M a tap has one K and one N.)"
+    "Per matmul tap (`run_id`, `site`, `role` in `MATMUL_ROLES`) and M, the least and most K and N its `numel` rows give (`K_lo`, `K_hi`, `N_lo`, `N_hi`); None without M, K and N columns. (What `_mixed_sizes` needs and no less: whether K and whether N differ at one M, over all parts, where any part may hold the least or the most of either.)"
     if not {'M', 'K', 'N'} <= set(df.columns): return None
     keys = ['run_id', 'site', 'role', 'M']
     one = (df.stat == 'numel').to_numpy(dtype=bool, na_value=False)      # one row per tap and step: every row of it has the same M, K, N
@@ -508,7 +508,7 @@ STEPS_NAMED = 5   # incomplete steps a warning names one by one
 def vet_steps(parts:list, # `vet_rows` of every partition (each holding whole steps), or of the whole table
               name:str, # names the table in messages (a path, `DataFrame`)
              )->list:
-    "Judge a table from its partitions' `vet_rows`: raise one `InputError` line for a newer or unknown schema version, a step from two ranks, a duplicated key, a row no recorder writes (a statistic outside its domain, an impossible key or size: `first_bad_value`), a matmul tap whose K or N changes within a run, or a step with more rows (or manifests) than it announces; warn about the steps short of their manifest and return them, `(run_id, step[, rank])` tuples, for `drop_steps`."
+    "Judge a table from its partitions' `vet_rows`: raise one `InputError` line for a newer or unknown schema version, a step from two ranks, a duplicated key, a row no recorder writes (a statistic outside its domain, an impossible key or size: `first_bad_value`), a matmul tap whose K and N both change at one M within a run (`_mixed_sizes`), or a step with more rows (or manifests) than it announces; warn about the steps short of their manifest and return them, `(run_id, step[, rank])` tuples, for `drop_steps`."
     if not parts: return []
     s = pd.concat([p[0] for p in parts], ignore_index=True)
     if s.empty: return []

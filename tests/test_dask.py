@@ -286,3 +286,42 @@ def test_task_out_of_memory_ends_in_one_line(sketches, tmp_path, monkeypatch):
     msg = str(e.value)
     assert '\n' not in msg and msg.startswith('ds: DuckDB ran out of the 2 MiB a task gets on a worker (1/8 of its memory limit, over its threads)'), msg
     assert 'give each worker more than 16 MiB memory' in msg and not db.exists(), msg
+
+
+WARN_ON_WORKER = '''
+import warnings, opscope.scale as s
+warnings.simplefilter('always')          # this test's worker: every warning shown, not once per place
+def warned(f):
+    def task(*a, **k):
+        warnings.warn("opscope test: a task's warning\\nits second line", RuntimeWarning)
+        return f(*a, **k)
+    return task
+s._vet_part, s._tap_facts = warned(s._vet_part), warned(s._tap_facts)    # the first tasks of either path
+'''
+
+
+def test_worker_warnings_come_back_as_lines(tmp_path, capsys):
+    "A warning a task raises on a worker is warned again in the client (its category and text kept, once however many tasks raised it), and `opscope-mine --engine dask` prints it as the one `warning:` line the other engines print; the plugin leaves with the call."
+    import warnings
+    from opscope.mine_cli import opscope_mine
+    df = sweep(shapes=((32, 64, 16),), dists=['gaussian', 'relu'], steps=2, seed=5)
+    ds, ref = _to_dataset(df, tmp_path / 'ds'), mine(df)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, memory_limit='700MB', dashboard_address=None) as lc, \
+         distributed.Client(lc) as c:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            assert same_findings(ref, mine_dask(ds, c))
+        assert not [x for x in w if 'a task' in str(x.message)]
+        c.run(exec, WARN_ON_WORKER, {})
+        for src in (ds, df):          # DuckDB tasks on a dataset; dask.dataframe tasks on a DataFrame
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                assert same_findings(ref, mine_dask(src, c))
+            said = [x for x in w if 'a task' in str(x.message)]
+            assert len(said) == 1 and said[0].category is RuntimeWarning, [str(x.message) for x in w]
+            assert str(said[0].message) == "opscope test: a task's warning\nits second line"
+        capsys.readouterr()
+        opscope_mine(str(ds), engine='dask', scheduler=lc.scheduler_address)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["opscope-mine: warning: opscope test: a task's warning"], err
+        assert not [p for ps in c.run(lambda dask_worker: list(dask_worker.plugins)).values() for p in ps if p.startswith('opscope-warning')]

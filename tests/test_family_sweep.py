@@ -1,5 +1,5 @@
 "The decoder-family sweep of issue 51: every transformers decoder family that builds from a small config (random weights) records `generate`'s tokens or is refused in one short line, with no router tapped as attention and no coherence across the sequences of a batch. Minutes of work: run with OPSCOPE_FAMILY_SWEEP=1 (without it, tests/conftest.py does not collect this file)."
-import os, re, warnings
+import re, warnings
 import pytest, torch
 tf = pytest.importorskip('transformers')
 from opscope.runners import record_generate

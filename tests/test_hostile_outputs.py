@@ -156,6 +156,79 @@ def test_two_concurrent_writers(tmp_path, fmt):
     assert (got.groupby('step').size() == want.groupby('step').size()).all()
 
 
+def _locks(d): return sorted(p.name for p in d.iterdir() if p.name.startswith('.opscope-lock.'))
+
+
+def _held(rec, says):
+    "`rec.lock()` refused in one line naming OUT and `says` (the holder's pid)."
+    with pytest.raises(ValueError) as e: rec.lock()
+    msg = str(e.value)
+    assert msg.count('\n') == 0 and f'{rec.path}: another writer (pid {says}) is recording into it' in msg, msg
+
+
+def test_rankless_and_ranked_writers_refuse_each_other(tmp_path):
+    "A dataset writer without a rank (it clears the whole dataset) and any ranked writer refuse each other; ranks coexist, one rank twice is refused; the lock files go with the last writer."
+    m, ds, me = mlp(layers=2), tmp_path / 'ds', os.getpid()
+    r0 = Recorder(ds, rank=0, dataset=True)
+    record(m, [torch.randn(4, 256)], sink=r0, step_ids=[0])
+    _held(Recorder(ds, dataset=True), me)                                      # rank-less refused while rank 0 writes
+    with pytest.raises(ValueError, match='another writer'): record(m, [torch.randn(4, 256)], sink=ds, run_id='other')
+    r1 = Recorder(ds, rank=1, dataset=True).lock()                             # rank 1 beside rank 0: fine
+    _held(Recorder(ds, rank=1, dataset=True), me)                              # rank 1 twice: refused
+    assert _locks(tmp_path) == ['.opscope-lock.ds', '.opscope-lock.ds.rank0', '.opscope-lock.ds.rank1']
+    record(m, [torch.randn(4, 256)], sink=r1, step_ids=[1])
+    r0.close()
+    assert _locks(tmp_path) == ['.opscope-lock.ds', '.opscope-lock.ds.rank1']  # rank 1 still shares the main lock
+    _held(Recorder(ds, dataset=True), 'unknown')                               # still refused; rank 0 named itself there and has gone
+    r1.close()
+    assert _locks(tmp_path) == []                                              # the last writer removed the main lock
+    df = read_sketches(ds)
+    assert sorted(df['rank'].unique()) == [0, 1] and set(df.run_id) == {'run'}  # nothing cleared by the refused writers
+    solo = Recorder(ds, dataset=True)                                          # all released: a rank-less writer succeeds
+    record(m, [torch.randn(4, 256)], sink=solo, run_id='solo', step_ids=[0])
+    _held(Recorder(ds, rank=0, dataset=True), me)                              # rank 0 refused while a rank-less writer writes
+    assert _locks(tmp_path) == ['.opscope-lock.ds']                            # the refused rank left no lock of its own
+    solo.close()
+    assert _locks(tmp_path) == [] and set(read_sketches(ds).run_id) == {'solo'}
+
+
+HOLD_RANK = textwrap.dedent('''
+    import sys, time
+    from opscope.recorder import Recorder
+    held = Recorder(sys.argv[1], rank=None if sys.argv[2] == '-' else int(sys.argv[2]), dataset=True).lock()
+    print('held', flush=True); time.sleep(120)
+''')
+
+
+def _holder(out, rank):
+    p = subprocess.Popen([sys.executable, '-c', HOLD_RANK, str(out), '-' if rank is None else str(rank)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == 'held'
+    return p
+
+
+def test_ranked_and_rankless_writers_in_other_processes(tmp_path, capsys):
+    "Across processes: the refusal names the other writer's pid; `writer_of` answers for the whole OUT and for each rank; a killed writer's locks go with it."
+    ds = tmp_path / 'ds'
+    r0 = _holder(ds, 0)
+    try:
+        assert writer_of(ds) == writer_of(ds, 0) == str(r0.pid) and writer_of(ds, 1) is None
+        _held(Recorder(ds, dataset=True), r0.pid)
+        _refused(capsys, cli.opscope_record, f'{ds}: another writer (pid {r0.pid}) is recording into it', str(ds), force=True, **_args('opscope_record', tmp_path))
+        r1 = Recorder(ds, rank=1, dataset=True).lock()                         # another rank, this process: fine
+        _held(Recorder(ds, rank=0, dataset=True), r0.pid)
+        r1.close()
+        assert writer_of(ds) == str(r0.pid)                                    # rank 0 still holds the main lock, and is named
+    finally: r0.kill(); r0.wait()
+    assert writer_of(ds) is None and writer_of(ds, 0) is None
+    solo = _holder(ds, None)
+    try:
+        assert writer_of(ds) == str(solo.pid)
+        _held(Recorder(ds, rank=0, dataset=True), solo.pid)
+    finally: solo.kill(); solo.wait()
+    last = Recorder(ds, rank=0, dataset=True).lock(); last.close()             # a killed writer's lock files are reused, then removed
+    assert _locks(tmp_path) == []
+
+
 # --- 50.6: --out is never an input; an existing --out needs --force -------------------------------------------------
 
 @pytest.mark.parametrize('fmt', ['csv', 'dataset'])

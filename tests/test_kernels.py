@@ -33,7 +33,7 @@ def test_fused_matches_eager(M, Kd, N, outliers, bias):
     assert vf.rows().tolist() == ve.rows().tolist() and vf.all() == ve.all()
     ref = F.linear(x, w, b)
     assert float((yf - ref)[fin].norm() / ref[fin].norm()) < 0.05
-    assert K._FUSED[outliers is not None, bias, True, torch.get_num_threads()] is not None or torch.backends.cpu.get_cpu_capability() != 'AVX512'   # it ran compiled (capped to AVX2, Inductor's graph fails its check here and runs eager)
+    assert K._FUSED[outliers is not None, bias, True, torch.get_num_threads()] is not None or torch.backends.cpu.get_cpu_capability() != 'AVX512'   # it ran compiled (or the eager ops where Inductor cannot compile)
 
 
 def test_inputs_the_graph_does_not_take_run_eager():
@@ -151,3 +151,58 @@ def test_avx2_cap_takes_effect():
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m['isa'] == 'AVX2' and m['bf16'] is False and m['caps'] == ISA_CAPS['avx2']
+
+
+@fbgemm
+@pytest.mark.parametrize('M,Kd,N,outliers,bias', [(1, 64, 48, None, True), (1, 96, 40, [3], False), (7, 96, 40, [0, 7], True),
+                                                  (40, 160, 24, [5], False), (1000, 128, 64, None, False), (1000, 128, 64, [2, 9], True)])
+def test_int8_fbgemm_fused_rows_match_eager(M, Kd, N, outliers, bias):
+    "kernel_int8_fbgemm's compiled row graph (fused_fbgemm_rows) and its eager ops: the same y and the same Verdict rows on NaN, ±Inf, all-zero rows and outlier channels, guarded or not."
+    g = torch.Generator().manual_seed(M * 7 + Kd)
+    w, b = torch.randn(N, Kd, generator=g) * 0.05, (torch.randn(N, generator=g) if bias else None)
+    x = torch.randn(M, Kd, generator=g)
+    x[:, 5] *= 30                                                          # an outlier channel (split off where `outliers` holds 5)
+    if M > 2: x[0, 1], x[1, 2], x[2] = float('nan'), float('inf'), 0.
+    if M > 3: x[3, 4] = -float('inf')
+    if M == 1000: x[500:510] = 0.; x[900, 0] = float('nan')
+    k = kernel_int8_fbgemm(w, b, outliers)
+    ((ye, ve), fe), ((yf, vf), ff) = _both(k, x, 6.)
+    assert K._FUSED[('fbgemm-rows', outliers is not None, True, torch.get_num_threads())] is not None or torch.backends.cpu.get_cpu_capability() != 'AVX512'
+    fin = x.isfinite().all(1)
+    torch.testing.assert_close(yf, ye, rtol=1e-5, atol=1e-4, equal_nan=True)
+    torch.testing.assert_close(ff, fe, rtol=1e-5, atol=1e-4, equal_nan=True)
+    assert not yf[~fin].isfinite().any() and yf[fin].isfinite().all()   # a NaN or Inf row comes out NaN, the others finite
+    assert vf.rows().tolist() == ve.rows().tolist() and vf.all() == ve.all()
+    xi = x.index_fill(1, torch.tensor(outliers or [], dtype=torch.long), 0.)   # what the guard reads: the split channels zeroed
+    bad = ~xi.isfinite().all(1)
+    assert bad.any() == (M > 2) and not vf.rows()[bad].any() and not vf.rows()[xi.eq(0).all(1)].any()   # refused: non-finite and all-zero rows
+    assert not vf.g[bad].isfinite().any()                                 # a non-finite row's guard value is non-finite
+    assert k.rows(x, None)[1] is None
+
+
+@fbgemm
+def test_int8_fbgemm_fused_rows_fall_back(monkeypatch):
+    "The eager ops for inputs the graph does not take (no rows), a strided view (made contiguous), and after one warning where it cannot compile."
+    g = torch.Generator().manual_seed(11)
+    w, b = torch.randn(24, 64, generator=g) * 0.05, torch.randn(24, generator=g)
+    k, x = kernel_int8_fbgemm(w, b, [3]), torch.randn(64, 6, generator=g).t()
+    torch.testing.assert_close(k.fn(x), k.fn(x.contiguous()), rtol=0, atol=0)
+    assert k.fn(torch.empty(0, 64)).shape == (0, 24)
+    def broken(*a): raise RuntimeError('no C++ compiler')
+    monkeypatch.setattr(K, '_compile_fbgemm_rows', broken)
+    monkeypatch.setattr(K, '_FUSED', {})
+    with pytest.warns(UserWarning, match='kernel_int8_fbgemm: runs as eager ops.*no C\\+\\+ compiler'): y = k.fn(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error'); y2 = k.fn(x)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+
+
+def test_int8_fbgemm_under_autograd():
+    "A model called without `torch.no_grad` (as many users call one): the kernel runs on an input that needs a gradient, with and without bias and split."
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(5, 64, requires_grad=True)
+    for b, out in [(lin.bias, None), (lin.bias, [3]), (None, None), (None, [3])]:
+        k = kernel_int8_fbgemm(lin.weight, b, out)
+        y, ref = k.rows(x, 100.)[0], torch.nn.functional.linear(x, lin.weight, b)
+        assert float((y - ref).detach().norm() / ref.detach().norm()) < 0.02
